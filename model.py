@@ -1,0 +1,251 @@
+"""LLaMA-family transformer with a static KV cache, in the style of gpt-fast.
+
+One file, read top to bottom: config, cache, model, blocks, RoPE. The forward takes token ids and the
+cache positions they are written at (`input_pos`, a tensor), so the decode step has fixed shapes and
+compiles once. It can also return the features EAGLE drafts from (the final normed hidden state, and
+the hidden states entering chosen layers) at no cost when they are not asked for.
+"""
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    block_size: int = 4096  # longest sequence the RoPE table covers
+    vocab_size: int = 32000
+    n_layer: int = 32
+    n_head: int = 32
+    dim: int = 4096
+    intermediate_size: Optional[int] = None
+    n_local_heads: int = -1  # KV heads (GQA); -1 means n_head
+    head_dim: Optional[int] = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if self.intermediate_size is None:  # LLaMA's rule: 2/3 of 4*dim, rounded up to a multiple of 256
+            hidden = int(2 * (4 * self.dim) / 3)
+            self.intermediate_size = hidden + (-hidden % 256)
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_head
+        if self.n_head % self.n_local_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        if name in transformer_configs:
+            return cls(**transformer_configs[name])
+        # a checkpoint directory name like "SmolLM2-135M-Instruct" matches "smollm2-135m"
+        matches = [c for c in transformer_configs if c in name.lower()]
+        if not matches:
+            raise ValueError(f"unknown model name {name!r}; known: {', '.join(transformer_configs)}")
+        return cls(**transformer_configs[max(matches, key=len)])
+
+    @classmethod
+    def from_json(cls, path) -> "ModelArgs":
+        config = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+transformer_configs = {
+    "llama-2-7b": dict(block_size=4096, n_layer=32, n_head=32, dim=4096),
+    "llama-2-13b": dict(block_size=4096, n_layer=40, n_head=40, dim=5120),
+    "llama-2-70b": dict(block_size=4096, n_layer=80, n_head=64, dim=8192, n_local_heads=8, intermediate_size=28672),
+    "vicuna-7b": dict(block_size=4096, n_layer=32, n_head=32, dim=4096),
+    "vicuna-13b": dict(block_size=4096, n_layer=40, n_head=40, dim=5120),
+    "tinyllama-1.1b": dict(block_size=2048, n_layer=22, n_head=32, n_local_heads=4, dim=2048, intermediate_size=5632),
+    "mistral-7b": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=1e6),
+    "llama-3-8b": dict(block_size=8192, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, vocab_size=128256, rope_base=500000),
+    "llama-3.1-8b": dict(block_size=131072, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, vocab_size=128256, rope_base=500000, rope_scaling=LLAMA31_SCALING),
+    "smollm2-135m": dict(block_size=8192, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536, vocab_size=49152, rope_base=100000, tie_embeddings=True),
+    "smollm2-360m": dict(block_size=8192, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560, vocab_size=49152, rope_base=100000, tie_embeddings=True),
+    "smollm2-1.7b": dict(block_size=8192, n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192, vocab_size=49152, rope_base=130000, tie_embeddings=True),
+}
+
+
+class KVCache(nn.Module):
+    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
+        super().__init__()
+        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        # input_pos: (T,), k/v: (B, n_kv, T, head_dim); writes in place so shapes never change
+        B = k.shape[0]
+        self.k_cache[:B].index_copy_(2, input_pos, k)
+        self.v_cache[:B].index_copy_(2, input_pos, v)
+        return self.k_cache[:B], self.v_cache[:B]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        if max_seq_length > self.config.block_size:
+            raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's block_size {self.config.block_size}")
+        if self.max_batch_size >= max_batch_size and self.max_seq_length == max_seq_length:
+            return
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        dtype = self.output.weight.dtype
+        if not dtype.is_floating_point:  # quantized weights: cache in the norm's dtype
+            dtype = self.norm.weight.dtype
+        device = self.output.weight.device
+        for b in self.layers:
+            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
+                                           self.config.head_dim, dtype).to(device)
+        freqs = precompute_freqs_cis(self.config.block_size, self.config.head_dim, self.config.rope_base,
+                                     self.config.rope_scaling)
+        self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+        causal = torch.tril(torch.ones(max_seq_length, max_seq_length, dtype=torch.bool, device=device))
+        self.register_buffer("causal_mask", causal, persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
+                rope_pos: Optional[Tensor] = None, return_features: bool = False,
+                feature_layers: tuple = ()):
+        """idx (B, T) token ids written at cache slots input_pos (T,).
+
+        mask (T, max_seq_length) bool, who attends to which cache slot; default causal by slot.
+        rope_pos (T,) positions for RoPE; default input_pos (a tree uses prefix_len + depth).
+        Returns logits (B, T, vocab), or (logits, features) with return_features, where features is
+        the final normed hidden state (B, T, dim); with feature_layers it is instead a list of the hidden
+        states entering those layers (an index equal to n_layer means the final normed state).
+        """
+        assert hasattr(self, "freqs_cis"), "call setup_caches() first"
+        if mask is None:
+            mask = self.causal_mask[input_pos]
+        freqs_cis = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
+        mask = mask[None, None]  # (1, 1, T, S)
+        x = self.tok_embeddings(idx)
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if i in feature_layers:
+                hidden.append(x)
+            x = layer(x, input_pos, freqs_cis, mask)
+        x = self.norm(x)
+        logits = self.output(x)
+        if not return_features:
+            return logits
+        if feature_layers:
+            return logits, hidden + ([x] if self.config.n_layer in feature_layers else [])
+        return logits, x
+
+    @classmethod
+    def from_name(cls, name: str):
+        return cls(ModelArgs.from_name(name))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x, input_pos, freqs_cis, mask):
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        # q, k and v in one matmul: one weight read instead of three
+        total = (config.n_head + 2 * config.n_local_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, total, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.kv_cache = None
+
+    def forward(self, x, freqs_cis, mask, input_pos):
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary_emb(q.view(B, T, self.n_head, self.head_dim), freqs_cis)
+        k = apply_rotary_emb(k.view(B, T, self.n_local_heads, self.head_dim), freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v.view(B, T, self.n_local_heads, self.head_dim)))
+        # q: (B, n_head, T, head_dim); k, v: (B, n_kv, T, head_dim)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32 so bf16 activations keep their precision
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def apply_rope_scaling(freqs: Tensor, scaling: dict) -> Tensor:
+    """Llama-3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, smooth between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / freqs
+    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)
+    scaled = (1 - smooth) * freqs / factor + smooth * freqs
+    return torch.where(wavelen < high_wavelen, freqs, torch.where(wavelen > low_wavelen, freqs / factor, scaled))
+
+
+def precompute_freqs_cis(seq_len: int, n_elem: int, base: float, rope_scaling: Optional[dict] = None) -> Tensor:
+    """(seq_len, n_elem // 2, 2) table of cos and sin, in fp32."""
+    freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: n_elem // 2].float() / n_elem))
+    if rope_scaling is not None:
+        freqs = apply_rope_scaling(freqs, rope_scaling)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    # x: (B, T, heads, head_dim) with rotation pairs interleaved (x0, x1), (x2, x3), ...; freqs_cis: (T, head_dim/2, 2)
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    fc = freqs_cis.view(1, xs.size(1), 1, xs.size(3), 2)
+    out = torch.stack([xs[..., 0] * fc[..., 0] - xs[..., 1] * fc[..., 1],
+                       xs[..., 1] * fc[..., 0] + xs[..., 0] * fc[..., 1]], dim=-1)
+    return out.flatten(3).type_as(x)

@@ -1,0 +1,152 @@
+"""Convert a Hugging Face LLaMA-family model directory into this project's checkpoint layout.
+
+    python scripts/convert_hf_checkpoint.py --hf_dir path/to/hf_model --out checkpoints/MyModel
+
+Reads safetensors or PyTorch .bin weights, sharded (with an index file) or not. Q and K are permuted from
+HF's rotate-half RoPE layout into the interleaved-pair layout model.py uses; q, k, v are fused into wqkv.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import ModelArgs  # noqa: E402
+from tokenizer import guess_chat_template  # noqa: E402
+
+
+def write_checkpoint(out_dir, weights: dict, args: ModelArgs, extra_config: dict, tokenizer_files=(),
+                     tokenizer_json=None):
+    """Writes model.safetensors, config.json and the tokenizer into out_dir atomically (a temporary
+    directory renamed into place), so an interrupted conversion never leaves a half checkpoint."""
+    from safetensors.torch import save_file
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps({**args.to_dict(), **extra_config}, indent=2) + "\n")
+        for f in tokenizer_files:
+            shutil.copy(f, tmp / Path(f).name)
+        if tokenizer_json is not None:
+            (tmp / "tokenizer.json").write_text(tokenizer_json)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.chmod(0o755)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def args_from_hf_config(config: dict) -> ModelArgs:
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                           "original_max_position_embeddings")}
+    elif scaling:
+        raise ValueError(f"unsupported rope_scaling {scaling}")
+    return ModelArgs(
+        block_size=config.get("max_position_embeddings", 4096), vocab_size=config["vocab_size"],
+        n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"], dim=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        n_local_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        head_dim=config.get("head_dim"), rope_base=config.get("rope_theta", 10000.0),
+        norm_eps=config.get("rms_norm_eps", 1e-5), rope_scaling=scaling,
+        tie_embeddings=config.get("tie_word_embeddings", False))
+
+
+def permute_rotate_half(w, n_heads, head_dim):
+    """HF stores each head's rotation pairs as (first half, second half); model.py wants them interleaved."""
+    return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def load_hf_weights(hf_dir: Path) -> dict:
+    from safetensors.torch import load_file
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (hf_dir / index_name).is_file():
+            files = sorted(set(json.loads((hf_dir / index_name).read_text())["weight_map"].values()))
+            break
+        if (hf_dir / single).is_file():
+            files = [single]
+            break
+    else:
+        raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or their index) in {hf_dir}")
+    weights = {}
+    for f in files:
+        path = hf_dir / f
+        weights.update(load_file(str(path)) if f.endswith(".safetensors")
+                       else torch.load(path, map_location="cpu", weights_only=True))
+    return weights
+
+
+def convert_hf_state_dict(hf: dict, args: ModelArgs) -> dict:
+    hd = args.head_dim
+    get = lambda k: hf[k if k in hf else "model." + k]  # noqa: E731 (some exports drop the "model." prefix)
+    out = {"tok_embeddings.weight": get("embed_tokens.weight"), "norm.weight": get("norm.weight")}
+    if not args.tie_embeddings:
+        out["output.weight"] = hf["lm_head.weight"]
+    for i in range(args.n_layer):
+        p = f"layers.{i}."
+        q = permute_rotate_half(get(p + "self_attn.q_proj.weight"), args.n_head, hd)
+        k = permute_rotate_half(get(p + "self_attn.k_proj.weight"), args.n_local_heads, hd)
+        out[p + "attention.wqkv.weight"] = torch.cat([q, k, get(p + "self_attn.v_proj.weight")])
+        out[p + "attention.wo.weight"] = get(p + "self_attn.o_proj.weight")
+        out[p + "feed_forward.w1.weight"] = get(p + "mlp.gate_proj.weight")
+        out[p + "feed_forward.w3.weight"] = get(p + "mlp.up_proj.weight")
+        out[p + "feed_forward.w2.weight"] = get(p + "mlp.down_proj.weight")
+        out[p + "attention_norm.weight"] = get(p + "input_layernorm.weight")
+        out[p + "ffn_norm.weight"] = get(p + "post_attention_layernorm.weight")
+    return out
+
+
+def stop_ids_from_hf(hf_dir: Path, config: dict) -> list:
+    ids = config.get("eos_token_id")
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    gen = hf_dir / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(g if isinstance(g, list) else [g] if g is not None else [])
+    tok_json = hf_dir / "tokenizer.json"
+    if tok_json.is_file():  # end-of-turn markers of the chat formats
+        added = {t["content"]: t["id"] for t in json.loads(tok_json.read_text()).get("added_tokens", [])}
+        ids |= {added[t] for t in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>") if t in added}
+    return sorted(ids)
+
+
+def convert_hf_checkpoint(hf_dir, out_dir, chat_template=None):
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+    config = json.loads((hf_dir / "config.json").read_text())
+    args = args_from_hf_config(config)
+    weights = convert_hf_state_dict(load_hf_weights(hf_dir), args)
+    tokenizer_files = [hf_dir / f for f in ("tokenizer.json", "tokenizer.model") if (hf_dir / f).is_file()]
+    extra = {"chat_template": chat_template or guess_chat_template(hf_dir / "tokenizer_config.json"),
+             "stop_token_ids": stop_ids_from_hf(hf_dir, config), "source": str(hf_dir)}
+    return write_checkpoint(out_dir, weights, args, extra, tokenizer_files)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf_dir", required=True, help="Hugging Face model directory (config.json + weights)")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--chat_template", default=None, help="override the guessed chat format "
+                   "(chatml, llama-3, llama-2, vicuna, none)")
+    a = p.parse_args(argv)
+    try:
+        out = convert_hf_checkpoint(a.hf_dir, a.out, a.chat_template)
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
