@@ -298,7 +298,8 @@ def main(argv=None):
             except EOFError:
                 break
         if args.chat or args.interactive:
-            messages.append({"role": "user", "content": text})
+            # interactive mode keeps the conversation; --num_samples repeats one prompt
+            messages = (messages if args.interactive else []) + [{"role": "user", "content": text}]
             text = apply_chat_template(messages, template, system)
         prompt_ids = tokenizer.encode(text)
         if not prompt_ids:
@@ -326,7 +327,7 @@ def main(argv=None):
                 stream.shown = full
 
         if not args.interactive:
-            print(text, end="", flush=True)
+            print(args.prompt + ("\n" if args.chat else ""), end="", flush=True)
         t0 = time.perf_counter()
         tokens, stats = generate(model, prompt, args.max_new_tokens, stop_ids, stream, **sampling)
         seconds = time.perf_counter() - t0

@@ -1,0 +1,139 @@
+import json
+
+import pytest
+import torch
+
+import generate as gen
+from conftest import make_tiny_model
+from generate import generate, logits_to_probs, main, sample
+
+
+def test_greedy_is_argmax_and_temperature_zero():
+    logits = torch.randn(3, 50)
+    assert torch.equal(sample(logits, temperature=0).view(-1), logits.argmax(-1).int())
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = logits_to_probs(logits, 1.0, top_k=2)
+    assert (p[0, 2:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)[0]  # 0.636, 0.234, 0.086, ...
+    p = logits_to_probs(logits, 1.0, top_p=0.7)  # 0.636 < 0.7, so the second token is needed too
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
+    torch.testing.assert_close(p[0, :2], full[:2] / full[:2].sum())
+    p = logits_to_probs(logits, 1.0, top_p=0.5)  # the top token alone already holds 0.5
+    assert p[0, 0] == 1
+    hot = logits_to_probs(logits, 0.5)
+    assert hot[0, 0] > full[0]  # lower temperature sharpens
+
+
+def test_sampling_without_sync_follows_the_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    draws = gen.multinomial_sample_one_no_sync(probs.expand(20000, 4)).view(-1)
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    assert (freq - probs).abs().max() < 0.015
+
+
+def test_generate_stops_at_stop_id_and_at_cache_end():
+    model = make_tiny_model()
+    prompt = torch.tensor([1, 2, 3], dtype=torch.int)
+    model.setup_caches(1, 64)
+    free, _ = generate(model, prompt, 30, temperature=0)
+    assert len(free) == 30
+    stop = free[4]
+    stopped, stats = generate(model, prompt, 30, stop_ids={stop}, temperature=0)
+    assert stopped == free[:free.index(stop) + 1] and stats["target_forwards"] == len(stopped) - 1
+    model.setup_caches(1, 16)  # 3 prompt tokens leave room for 13 new ones
+    capped, _ = generate(model, prompt, 30, temperature=0)
+    assert capped == free[:13]
+
+
+def test_generate_with_sampling_is_seeded():
+    model = make_tiny_model()
+    model.setup_caches(1, 64)
+    prompt = torch.tensor([5, 6], dtype=torch.int)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(generate(model, prompt, 20, temperature=1.0, top_k=20)[0])
+    assert runs[0] == runs[1]
+    torch.manual_seed(8)
+    assert generate(model, prompt, 20, temperature=1.0, top_k=20)[0] != runs[0]
+
+
+@pytest.mark.compile
+def test_compiled_decode_step_matches_eager():
+    model = make_tiny_model()
+    prompt = torch.tensor([1, 2, 3, 4], dtype=torch.int)
+    model.setup_caches(1, 64)
+    eager, _ = generate(model, prompt, 24, temperature=0)
+    original = gen.decode_one_token
+    gen.decode_one_token = torch.compile(original, fullgraph=True, dynamic=False)
+    try:
+        compiled, _ = generate(model, prompt, 24, temperature=0)
+    finally:
+        gen.decode_one_token = original
+    assert compiled == eager
+
+
+# ---------------------------------------------------------------- the command line
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return e.value.code, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "float8"], "unknown --dtype"),
+    (["--device", "tpu9"], "--device"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--top_p", "0"], "--top_p must be in (0, 1]"),
+    (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--top_k", "0"], "--top_k must be at least 1"),
+    (["--num_samples", "0"], "--num_samples"),
+    (["--checkpoint", "/nonexistent/model"], "checkpoint directory not found"),
+])
+def test_bad_arguments_give_one_clear_line(argv, message, capsys):
+    code, err = run_main(argv, capsys)
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_corrupt_and_incomplete_checkpoints(tmp_path, capsys, default_checkpoint):
+    (tmp_path / "config.json").write_text("{not json")
+    code, err = run_main(["--checkpoint", str(tmp_path)], capsys)
+    assert code == 2 and "corrupt" in err[-1]
+    (tmp_path / "config.json").write_text((default_checkpoint / "config.json").read_text())
+    code, err = run_main(["--checkpoint", str(tmp_path)], capsys)
+    assert code == 2 and "weights file not found" in err[-1]
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!" * 10)
+    code, err = run_main(["--checkpoint", str(tmp_path)], capsys)
+    assert code == 2 and "corrupt weights file" in err[-1]
+    from safetensors.torch import save_file
+    save_file({"norm.weight": torch.ones(576)}, str(tmp_path / "model.safetensors"))
+    code, err = run_main(["--checkpoint", str(tmp_path)], capsys)
+    assert code == 2 and "does not match its config" in err[-1]
+
+
+def test_prompt_longer_than_cache(capsys):
+    code, err = run_main(["--prompt", "word " * 50, "--max_seq_length", "16"], capsys)
+    assert code == 2 and "does not fit the KV cache" in err[-1]
+
+
+def test_cli_chat_greedy_and_metrics(tmp_path, capsys, hf_reference):
+    out = tmp_path / "m.jsonl"
+    main(["--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max_new_tokens", "12",
+          "--num_samples", "2", "--metrics-json", str(out)])
+    stdout = capsys.readouterr().out
+    assert "Paris" in stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    ref = hf_reference["greedy"]["results"][0]
+    assert len(records) == 2
+    for r in records:
+        assert r["prompt_ids"] == ref["prompt_ids"]
+        n = ref["first_eos_index"] + 1  # the model stops at <|im_end|>
+        assert r["token_ids"] == ref["new_ids"][:n] and r["new_tokens"] == n
+        assert r["target_forwards"] == n - 1 and r["tokens_per_s"] > 0 and "Paris" in r["text"]

@@ -1,0 +1,153 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny_model
+from generate import generate
+from model import ModelArgs, Transformer, apply_rope_scaling, transformer_configs
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("prompt_len", [1, 5, 17])
+def test_kv_cache_matches_full_forward(batch, prompt_len):
+    model = make_tiny_model()
+    total = prompt_len + 12
+    ids = torch.randint(0, model.config.vocab_size, (batch, total))
+    model.setup_caches(batch, 64)
+    with torch.no_grad():
+        full = model(ids, torch.arange(total))
+        model.setup_caches(batch, 32)  # a fresh cache of another size: nothing carries over
+        parts = [model(ids[:, :prompt_len], torch.arange(prompt_len))]
+        for t in range(prompt_len, total):
+            parts.append(model(ids[:, t:t + 1], torch.tensor([t])))
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_features_are_the_lm_head_input_and_layer_inputs():
+    model = make_tiny_model()
+    model.setup_caches(1, 32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    entering = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: entering.__setitem__(i, a[0]))
+             for i, layer in enumerate(model.layers)]
+    with torch.no_grad():
+        plain = model(ids, torch.arange(7))
+        logits, feature = model(ids, torch.arange(7), return_features=True)
+        _, layer_states = model(ids, torch.arange(7), return_features=True, feature_layers=(0, 1, 2))
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(logits, plain)
+    torch.testing.assert_close(model.output(feature), logits)
+    assert len(layer_states) == 3
+    torch.testing.assert_close(layer_states[0], entering[0])
+    torch.testing.assert_close(layer_states[1], entering[1])
+    torch.testing.assert_close(layer_states[2], feature)  # index n_layer is the final normed state
+
+
+def test_tree_mask_and_rope_positions_match_sequential_paths():
+    """Two branches written side by side in the cache, each seeing only the prefix and its own ancestors,
+    give the same logits as running each branch as a plain sequence."""
+    model = make_tiny_model()
+    V = model.config.vocab_size
+    prefix, a, b = torch.randint(0, V, (1, 6)), torch.randint(0, V, (1, 3)), torch.randint(0, V, (1, 3))
+    S = 32
+    model.setup_caches(1, S)
+    with torch.no_grad():
+        model(prefix, torch.arange(6))
+        tree = torch.cat([a, b], 1)
+        slots = torch.arange(6, 12)
+        mask = torch.zeros(6, S, dtype=torch.bool)
+        mask[:, :6] = True
+        for branch in range(2):
+            for i in range(3):
+                mask[branch * 3 + i, 6 + branch * 3: 6 + branch * 3 + i + 1] = True
+        depth = torch.tensor([0, 1, 2, 0, 1, 2])
+        tree_logits = model(tree, slots, mask=mask, rope_pos=6 + depth)
+        for branch, seq in enumerate((a, b)):
+            model.setup_caches(1, S + 1)
+            ref = model(torch.cat([prefix, seq], 1), torch.arange(9))[:, 6:]
+            torch.testing.assert_close(tree_logits[:, branch * 3: branch * 3 + 3], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_named_configs():
+    for name in transformer_configs:
+        args = ModelArgs.from_name(name)
+        assert args.dim % args.n_head == 0 and args.n_head % args.n_local_heads == 0
+    assert ModelArgs.from_name("SmolLM2-135M-Instruct").dim == 576  # matched inside a directory name
+    assert ModelArgs.from_name("llama-3.1-8b").rope_scaling["factor"] == 8.0
+    assert ModelArgs.from_name("llama-2-7b").intermediate_size == 11008  # LLaMA's 2/3 * 4 * dim rule
+    with pytest.raises(ValueError, match="unknown model name"):
+        ModelArgs.from_name("gpt-j")
+
+
+def test_llama31_rope_scaling():
+    freqs = 1.0 / (500000 ** (torch.arange(0, 128, 2).float() / 128))
+    scaled = apply_rope_scaling(freqs, ModelArgs.from_name("llama-3.1-8b").rope_scaling)
+    wavelen = 2 * math.pi / freqs
+    assert torch.equal(scaled[wavelen < 8192 / 4], freqs[wavelen < 8192 / 4])  # short wavelengths kept
+    torch.testing.assert_close(scaled[wavelen > 8192], freqs[wavelen > 8192] / 8)  # long ones slowed 8x
+    mid = (wavelen >= 8192 / 4) & (wavelen <= 8192)
+    assert mid.any() and ((scaled[mid] < freqs[mid]) & (scaled[mid] > freqs[mid] / 8)).all()
+
+
+def test_tied_head_shares_the_embedding():
+    model = Transformer(ModelArgs(**{**make_tiny_model().config.to_dict(), "tie_embeddings": True}))
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_cache_longer_than_block_size_is_refused():
+    model = make_tiny_model(block_size=64)
+    with pytest.raises(ValueError, match="block_size"):
+        model.setup_caches(1, 65)
+
+
+# ---------------------------------------------------------------- the real model against transformers
+
+def _real_logits(real_model, ids):
+    real_model.setup_caches(1, 512)
+    with torch.no_grad():
+        return real_model(torch.tensor([ids]), torch.arange(len(ids)))[0]
+
+
+def test_real_model_perplexity_and_logits_match_transformers(real_model, hf_reference):
+    ref = hf_reference["text"]
+    logits = _real_logits(real_model, ref["ids"])
+    nll = F.cross_entropy(logits[:-1].double(), torch.tensor(ref["ids"][1:]))
+    assert abs(nll.item() - ref["mean_nll"]) < 1e-4
+    assert logits.argmax(-1).tolist() == ref["argmax_ids"]
+    fixed_ids = hf_reference["logits_summary_spec"]["fixed_token_ids"]
+    for pos, want in ref["logits_at"].items():
+        row = logits[int(pos)]
+        torch.testing.assert_close(row[want["top_ids"]], torch.tensor(want["top_logits"]), atol=2e-4, rtol=0)
+        torch.testing.assert_close(row[fixed_ids], torch.tensor(want["fixed_logits"]), atol=2e-4, rtol=0)
+        assert abs(row.double().logsumexp(0).item() - want["logsumexp"]) < 2e-4
+
+
+def test_wrong_rope_layout_is_caught(real_model, hf_reference):
+    """Permuting Q/K as if the GGUF were in HF's rotate-half layout still gives fluent-ish logits, but the
+    perplexity check above would fail by a wide margin."""
+    ids = hf_reference["text"]["ids"]
+    saved = [layer.attention.wqkv.weight.data.clone() for layer in real_model.layers]
+    try:
+        for layer in real_model.layers:
+            att = layer.attention
+            w = att.wqkv.weight.data
+            qk = (att.n_head + att.n_local_heads) * att.head_dim
+            heads = w[:qk].view(-1, att.head_dim // 2, 2, w.shape[1])
+            w[:qk] = heads.transpose(1, 2).reshape(qk, w.shape[1])  # interleaved -> rotate-half
+        nll = F.cross_entropy(_real_logits(real_model, ids)[:-1].double(), torch.tensor(ids[1:])).item()
+    finally:
+        for layer, w in zip(real_model.layers, saved):
+            layer.attention.wqkv.weight.data.copy_(w)
+    assert nll > hf_reference["text"]["mean_nll"] + 0.1
+
+
+def test_golden_greedy_matches_transformers(real_model, hf_reference):
+    """The llama2.c-style golden test: fixed chat prompts, fp32, greedy; the exact 48-token continuation
+    Hugging Face transformers produced on the same GGUF (smallest top-1/top-2 logit gap 0.015)."""
+    for case in hf_reference["greedy"]["results"]:
+        real_model.setup_caches(1, 128)
+        tokens, _ = generate(real_model, torch.tensor(case["prompt_ids"]), 48, stop_ids=(), temperature=0)
+        assert tokens == case["new_ids"], case["prompt"]
