@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_head import EAGLE1_TREE, StaticTree, draft_static, draft_dynamic, head_update, tree_ancestors
 from model import ModelArgs, Transformer
 from tokenizer import apply_chat_template, get_tokenizer
 
@@ -85,13 +86,15 @@ def decode_n_tokens(model, cur_token, input_pos, num_new_tokens, stop_ids=(), ca
 
 
 @torch.no_grad()
-def generate(model, prompt, max_new_tokens, stop_ids=(), callback=lambda t: None, **sampling):
-    """prompt: 1-D int tensor. Returns (new token ids list, stats dict). Stops at a stop id, after
-    max_new_tokens, or when the KV cache is full."""
+def generate(model, prompt, max_new_tokens, stop_ids=(), callback=lambda t: None, draft=None, **sampling):
+    """prompt: 1-D int tensor. Returns (new token ids, stats). Stops at a stop id, after max_new_tokens,
+    or when the KV cache is full. With a `draft` (a Drafter) decoding is speculative, same output."""
     T = prompt.numel()
     if T >= model.max_seq_length:
         raise ValueError(f"prompt of {T} tokens does not fit the KV cache of {model.max_seq_length}")
     budget = min(max_new_tokens, model.max_seq_length - T)
+    if draft is not None:
+        return speculative_generate(model, draft, prompt, budget, stop_ids, callback, **sampling)
     device = prompt.device
     input_pos = torch.arange(0, T, device=device)
     first = prefill(model, prompt.view(1, -1), input_pos, **sampling)
@@ -103,6 +106,133 @@ def generate(model, prompt, max_new_tokens, stop_ids=(), callback=lambda t: None
                                stop_ids, callback, **sampling)
         tokens += [int(t) for t in torch.cat(rest).view(-1).tolist()]
     return tokens, {"target_forwards": len(tokens) - 1}
+
+
+# ---------------------------------------------------------------- speculative decoding (EAGLE)
+
+class Drafter:
+    """An EAGLE head plus the tree it drafts: "chain" (k tokens), "static" (fixed paths of ranks) or
+    "dynamic" (EAGLE-2: top_k expansions per depth, best total_tokens kept)."""
+
+    def __init__(self, head, tree="dynamic", depth=5, top_k=4, total_tokens=15, paths=None):
+        self.head, self.kind = head, tree
+        if tree == "static":
+            self.static = StaticTree(paths or EAGLE1_TREE, head.fc.weight.device)
+            self.depth, self.n_nodes, self.n_slots = self.static.depth, self.static.n_nodes, self.static.n_slots
+        else:
+            if tree == "chain":
+                top_k, total_tokens = 1, depth
+            self.top_k, self.total_tokens = top_k, total_tokens
+            self.depth, self.n_nodes, self.n_slots = depth, total_tokens, (depth - 1) * top_k
+        # cache slots one cycle may touch past the committed prefix (verify and head expansions)
+        self.headroom = max(self.n_nodes + 1, self.n_slots, self.depth + 1)
+
+    def draft(self, h_root, L):
+        if self.kind == "static":
+            return draft_static(self.head, h_root, L, self.static)
+        return draft_dynamic(self.head, h_root, L, self.depth, self.top_k, self.total_tokens)
+
+
+def choose_tokens(logits, tree_tokens, parents, **sampling):
+    """The target's own pick at every tree node, each drawn independently from exactly the distribution plain
+    decoding samples from (argmax when greedy). A drafted child is accepted iff it equals its parent's pick.
+
+    This is the recursive rejection rule with deterministic (top-k) drafts: q is one-hot on each child, so
+    child x is accepted with probability min(1, p(x)/1) = p(x); on rejection p loses x and is renormalised,
+    and the next sibling is tried. Summed over siblings, every token keeps exactly probability p(x), which is
+    what one draw from p, compared with the children, gives. tests/test_eagle.py checks it against plain
+    sampling with a chi-square test that a broken rule fails."""
+    return sample(logits, **sampling).view(-1)
+
+
+def draft_step(drafter, features, tokens, start, last):
+    """Feed the head what the last verification accepted, then draft a tree from the new root.
+    Returns the tree's tokens (N+1,), root first, its parents (N+1,) and the root's position L (1,)."""
+    head = drafter.head
+    h_root = head_update(head, features, tokens, start, last)
+    L = start + last + 1
+    node_tokens, parents = drafter.draft(h_root, L)
+    root = tokens.index_select(0, last.view(1))
+    return (torch.cat([root.long(), node_tokens.long()]),
+            torch.cat([torch.zeros(1, dtype=torch.long, device=L.device), parents.long()]), L)
+
+
+def verify_step(model, tree_tokens, parents, L, max_depth: int, **sampling):
+    """One target forward over the root and every node (each sees the prefix and its ancestors), at positions
+    L + depth. Keeps the longest accepted path, moves its K/V entries to contiguous slots L..L+len, and returns
+    what the head is fed next: the accepted tokens then the bonus token (max_depth+1,), the target features at
+    the path (max_depth+1, dim), and the number of accepted draft tokens (a 0-dim tensor)."""
+    N1, S, device = tree_tokens.numel(), model.max_seq_length, tree_tokens.device
+    anc, depth = tree_ancestors(parents, max_depth)  # (N1, N1), (N1,)
+    slots = L + torch.arange(N1, device=device)
+    mask = (torch.arange(S, device=device) < L)[None].expand(N1, S).index_copy(1, slots, anc)
+    logits, features = model(tree_tokens[None].int(), slots, mask=mask, rope_pos=L + depth, return_features=True)
+    choices = choose_tokens(logits[0], tree_tokens, parents, **sampling).long()  # (N1,)
+    matches = tree_tokens == choices[parents]
+    matches[0] = True
+    accepted = matches
+    for _ in range(max_depth):
+        accepted = matches & accepted[parents]
+    best = (accepted * (depth + 1)).argmax()  # the deepest accepted node; accepted nodes form one path
+    n_accepted = depth[best]
+    steps = torch.arange(max_depth + 1, device=device)
+    path = (anc[best][None, :] & (depth[None, :] == steps[:, None])).int().argmax(-1)  # node at each depth
+    src, dst = L + path, L + steps
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        cache.k_cache.index_copy_(2, dst, cache.k_cache.index_select(2, src))
+        cache.v_cache.index_copy_(2, dst, cache.v_cache.index_select(2, src))
+    bonus = choices[best]
+    next_tokens = torch.cat([tree_tokens[path[1:]], bonus.view(1)])
+    next_tokens = torch.where(steps == n_accepted, bonus, next_tokens)
+    return next_tokens, features[0, path], n_accepted
+
+
+def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=lambda t: None, **sampling):
+    T, S, device = prompt.numel(), model.max_seq_length, prompt.device
+    head, D = drafter.head, drafter.depth
+    if T + drafter.headroom > S:
+        raise ValueError(f"the draft tree needs {drafter.headroom} cache slots after the prompt of {T} tokens, "
+                         f"but the KV cache holds {S} (raise --max_seq_length or shrink the tree)")
+    head.setup_caches(S)
+    logits, features = model(prompt.view(1, -1), torch.arange(T, device=device), return_features=True)
+    root = sample(logits[:, -1], **sampling).view(1)
+    if T > 1:  # the head sees the pairs (f_t, x_{t+1}) for t < T-1; the last pair starts the first cycle
+        pos = torch.arange(T - 1, device=device)
+        head(prompt[1:].view(1, -1), features[:, :-1], pos, pos[:, None] >= torch.arange(S, device=device)[None])
+    next_tokens = torch.zeros(D + 1, dtype=torch.long, device=device)
+    next_tokens[0] = root[0]
+    next_features = features.new_zeros(D + 1, features.shape[-1])
+    next_features[0] = features[0, -1]
+    start, n_accepted = torch.tensor([T - 1], device=device), torch.tensor(0, device=device)
+    tokens = [int(root.item())]
+    callback(tokens[0])
+    cycles, accepted_at_depth, plain_steps = 0, [0] * D, 0
+    while len(tokens) < budget and tokens[-1] not in stop_ids:
+        L = T + len(tokens) - 1  # the root (last emitted token) sits at position L
+        if L + drafter.headroom > S:  # no room left for a tree: finish with plain steps
+            nxt = decode_one_token(model, torch.tensor([[tokens[-1]]], device=device),
+                                   torch.tensor([L], device=device), **sampling)
+            new = [int(nxt.item())]
+            plain_steps += 1
+        else:
+            tree_tokens, parents, L_dev = draft_step(drafter, next_features, next_tokens, start, n_accepted)
+            next_tokens, next_features, n_accepted = verify_step(model, tree_tokens, parents, L_dev, D, **sampling)
+            start = L_dev
+            out = torch.cat([n_accepted.view(1), next_tokens]).tolist()  # the one host sync per cycle
+            new = out[1:out[0] + 2]
+            cycles += 1
+            for d in range(out[0]):
+                accepted_at_depth[d] += 1
+        for t in new:
+            if len(tokens) >= budget or tokens[-1] in stop_ids:
+                break
+            tokens.append(t)
+            callback(t)
+    stats = {"target_forwards": cycles + plain_steps, "verify_forwards": cycles,
+             "mean_accepted": (len(tokens) - 1 - plain_steps) / cycles if cycles else 0.0,
+             "accepted_at_depth": accepted_at_depth}
+    return tokens, stats
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -5,6 +5,7 @@ The tokenizer is chosen by which file the checkpoint directory holds, not by its
 (SentencePiece: LLaMA-2, Vicuna, TinyLlama). The chat template is named in the checkpoint's config.json.
 """
 import json
+import re
 from pathlib import Path
 
 
@@ -79,8 +80,8 @@ def apply_chat_template(messages: list, template: str, system_prompt=None) -> st
             out += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
         return out + "<|im_start|>assistant\n"
     if template == "llama-3":
-        def block(role, text):
-            return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
+        def block(role, text):  # Meta's template trims each message
+            return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text.strip()}<|eot_id|>"
         out = "<|begin_of_text|>" + (block("system", system_prompt) if system_prompt else "")
         for m in messages:
             out += block(m["role"], m["content"])
@@ -97,14 +98,14 @@ def apply_chat_template(messages: list, template: str, system_prompt=None) -> st
             else:
                 out += f" {m['content'].strip()} </s>"
         return out
-    if template == "vicuna":
-        out = "<s>" + (system_prompt if system_prompt is not None else VICUNA_SYSTEM)
+    if template == "vicuna":  # FastChat's vicuna_v1.1: separators " " after a user turn, "</s>" after a reply
+        out = "<s>" + (system_prompt if system_prompt is not None else VICUNA_SYSTEM) + " "
         for m in messages:
             if m["role"] == "user":
-                out += f" USER: {m['content']}"
+                out += f"USER: {m['content']} "
             else:
-                out += f" ASSISTANT: {m['content']}</s>"
-        return out + " ASSISTANT:"
+                out += f"ASSISTANT: {m['content']}</s>"
+        return out + "ASSISTANT:"
     if template in (None, "none"):
         return "".join(m["content"] for m in messages)
     raise ValueError(f"unknown chat template {template!r}; known: chatml, llama-3, llama-2, vicuna, none")
@@ -113,14 +114,30 @@ def apply_chat_template(messages: list, template: str, system_prompt=None) -> st
 CHAT_TEMPLATES = ("chatml", "llama-3", "llama-2", "vicuna", "none")
 
 
-def guess_chat_template(tokenizer_config_path) -> str:
-    """Names the chat format from a Hugging Face tokenizer_config.json's Jinja template, if any."""
+def read_chat_template(tokenizer_config_path) -> str:
+    """The Jinja chat template text of a Hugging Face tokenizer_config.json ("" if none)."""
     path = Path(tokenizer_config_path)
     text = (json.loads(path.read_text()).get("chat_template") or "") if path.is_file() else ""
     if isinstance(text, list):  # some configs hold several named templates
         text = " ".join(t.get("template", "") for t in text)
+    return text
+
+
+def guess_chat_template(tokenizer_config_path) -> str:
+    """Names the chat format from a Hugging Face tokenizer_config.json's Jinja template, if any."""
+    return chat_template_name(read_chat_template(tokenizer_config_path))
+
+
+def chat_template_name(jinja_template: str) -> str:
     for marker, name in (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama-3"), ("[INST]", "llama-2"),
                          ("ASSISTANT:", "vicuna")):
-        if marker in text:
+        if marker in jinja_template:
             return name
     return "none"
+
+
+def default_system_prompt(jinja_template: str):
+    """The system prompt a ChatML Jinja template writes when the conversation has none (SmolLM2's does), or
+    None. Only a whole quoted literal counts: '<|im_start|>system\\n' + message['content'] is no default."""
+    m = re.search(r"'<\|im_start\|>system\n((?:[^'\\]|\\.)+?)<\|im_end\|>", jinja_template)
+    return m.group(1).replace("\\'", "'") if m else None

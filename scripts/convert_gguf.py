@@ -7,7 +7,6 @@ interleaved-pair RoPE layout model.py uses, so unlike the HF conversion nothing 
 BPE tokenizer is rebuilt from the GGUF metadata into a tokenizer.json.
 """
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -15,8 +14,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import ModelArgs  # noqa: E402
+from model import ModelArgs, apply_rope_scaling  # noqa: E402
 from scripts.convert_hf_checkpoint import write_checkpoint  # noqa: E402
+from tokenizer import chat_template_name, default_system_prompt  # noqa: E402
 
 GGUF_TO_OURS = {"attn_output": "attention.wo", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
                 "ffn_down": "feed_forward.w2", "attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
@@ -38,15 +38,44 @@ def args_from_gguf(reader) -> ModelArgs:
     if arch != "llama":
         raise ValueError(f"GGUF architecture is {arch!r}; only 'llama' is supported")
     g = lambda k, d=None: field(reader, f"llama.{k}", d)  # noqa: E731
+    scaling_type = g("rope.scaling.type", "none")
+    if scaling_type != "none":  # linear, yarn: model.py implements only Llama-3's scaling
+        raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF has no token_embd.weight tensor")
     n_head = g("attention.head_count")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return ModelArgs(block_size=g("context_length", 4096), vocab_size=int(embd.shape[1]),
+    args = ModelArgs(block_size=g("context_length", 4096), vocab_size=int(tensors["token_embd.weight"].shape[1]),
                      n_layer=g("block_count"), n_head=n_head, dim=g("embedding_length"),
                      intermediate_size=g("feed_forward_length"), n_local_heads=g("attention.head_count_kv", n_head),
                      head_dim=g("rope.dimension_count") or g("embedding_length") // n_head,
                      rope_base=float(g("rope.freq_base", 10000.0)),
                      norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-                     tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors))
+                     tie_embeddings="output.weight" not in tensors)
+    if "rope_freqs.weight" in tensors:
+        args.rope_scaling = rope_scaling_from_factors(read_tensor(tensors["rope_freqs.weight"]), args)
+    return args
+
+
+def rope_scaling_from_factors(factors: torch.Tensor, args: ModelArgs):
+    """Llama-3.1/3.2 GGUFs keep their RoPE scaling only as per-frequency divisors (rope_freqs.weight).
+    Meta's models all use low/high_freq_factor 1 and 4 and an 8192 original context and vary only the
+    factor: solve for it at the lowest frequency (the most slowed one), then check every divisor."""
+    hd, factors = args.head_dim, factors.double().flatten()
+    freqs = 1.0 / (args.rope_base ** (torch.arange(0, hd, 2).double() / hd))
+    if factors.numel() != freqs.numel():
+        raise ValueError(f"rope_freqs.weight has {factors.numel()} values, expected head_dim/2 = {freqs.numel()}")
+    if torch.allclose(factors, torch.ones_like(factors)):
+        return None
+    old_context, low, high = 8192, 1.0, 4.0
+    smooth = ((old_context * freqs[-1] / (2 * torch.pi) - low) / (high - low)).clamp(0, 1)  # 0: fully slowed
+    factor = (1 - smooth) / (1 / factors[-1] - smooth)
+    scaling = dict(factor=round(float(factor), 4),  # the divisors are float32: make 8.00001 read 8.0
+                   low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=old_context)
+    if not torch.allclose(freqs / apply_rope_scaling(freqs, scaling), factors, rtol=1e-4):
+        raise ValueError("rope_freqs.weight is not Llama-3 rope scaling with low/high_freq_factor 1/4 and "
+                         "an 8192 original context; unsupported")
+    return scaling
 
 
 def gguf_weights(reader, args: ModelArgs) -> dict:
@@ -89,14 +118,7 @@ def gguf_tokenizer_json(reader) -> str:
 def chat_info_from_gguf(reader):
     """The chat format and its default system prompt, read from the GGUF's Jinja chat template."""
     template = field(reader, "tokenizer.chat_template", "") or ""
-    if "<|im_start|>" in template:
-        m = re.search(r"'<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.S)
-        return "chatml", (m.group(1) if m else None)
-    if "<|start_header_id|>" in template:
-        return "llama-3", None
-    if "[INST]" in template:
-        return "llama-2", None
-    return "none", None
+    return chat_template_name(template), default_system_prompt(template)
 
 
 def convert_gguf(gguf_path, out_dir):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import ModelArgs  # noqa: E402
-from tokenizer import guess_chat_template  # noqa: E402
+from tokenizer import chat_template_name, default_system_prompt, read_chat_template  # noqa: E402
 
 
 def write_checkpoint(out_dir, weights: dict, args: ModelArgs, extra_config: dict, tokenizer_files=(),
@@ -44,19 +44,28 @@ def write_checkpoint(out_dir, weights: dict, args: ModelArgs, extra_config: dict
     return out_dir
 
 
+def rope_from_hf_config(config: dict):
+    """(rope_theta, rope_scaling or None). transformers >= 5 writes both into "rope_parameters";
+    older configs have "rope_theta" and "rope_scaling" at the top level."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if kind != "llama3" or not all(k in rope for k in keys):
+        raise ValueError(f"unsupported rope scaling {rope}: only Llama-3 style ('llama3' with {', '.join(keys)})")
+    return theta, {k: rope[k] for k in keys}
+
+
 def args_from_hf_config(config: dict) -> ModelArgs:
-    scaling = config.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-        scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                           "original_max_position_embeddings")}
-    elif scaling:
-        raise ValueError(f"unsupported rope_scaling {scaling}")
+    theta, scaling = rope_from_hf_config(config)
     return ModelArgs(
         block_size=config.get("max_position_embeddings", 4096), vocab_size=config["vocab_size"],
         n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"], dim=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
         n_local_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        head_dim=config.get("head_dim"), rope_base=config.get("rope_theta", 10000.0),
+        head_dim=config.get("head_dim"), rope_base=theta,
         norm_eps=config.get("rms_norm_eps", 1e-5), rope_scaling=scaling,
         tie_embeddings=config.get("tie_word_embeddings", False))
 
@@ -88,10 +97,18 @@ def load_hf_weights(hf_dir: Path) -> dict:
 
 def convert_hf_state_dict(hf: dict, args: ModelArgs) -> dict:
     hd = args.head_dim
-    get = lambda k: hf[k if k in hf else "model." + k]  # noqa: E731 (some exports drop the "model." prefix)
+    hf = {k.removeprefix("model."): v for k, v in hf.items()}  # some exports drop the "model." prefix
+    if args.tie_embeddings:
+        hf.pop("lm_head.weight", None)  # some exports save the tied embedding twice
+
+    def get(k):
+        if k not in hf:
+            raise ValueError(f"weight {k!r} missing from the checkpoint")
+        return hf.pop(k)
+
     out = {"tok_embeddings.weight": get("embed_tokens.weight"), "norm.weight": get("norm.weight")}
     if not args.tie_embeddings:
-        out["output.weight"] = hf["lm_head.weight"]
+        out["output.weight"] = get("lm_head.weight")
     for i in range(args.n_layer):
         p = f"layers.{i}."
         q = permute_rotate_half(get(p + "self_attn.q_proj.weight"), args.n_head, hd)
@@ -103,6 +120,10 @@ def convert_hf_state_dict(hf: dict, args: ModelArgs) -> dict:
         out[p + "feed_forward.w2.weight"] = get(p + "mlp.down_proj.weight")
         out[p + "attention_norm.weight"] = get(p + "input_layernorm.weight")
         out[p + "ffn_norm.weight"] = get(p + "post_attention_layernorm.weight")
+    # what is left would be silently dropped: biases (Qwen2), extra layers, other architectures
+    left = [k for k in hf if not k.endswith("rotary_emb.inv_freq")]
+    if left:
+        raise ValueError(f"unexpected weights {sorted(left)[:4]}: not a LLaMA-architecture checkpoint?")
     return out
 
 
@@ -125,10 +146,15 @@ def convert_hf_checkpoint(hf_dir, out_dir, chat_template=None):
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
     config = json.loads((hf_dir / "config.json").read_text())
-    args = args_from_hf_config(config)
+    try:
+        args = args_from_hf_config(config)
+    except KeyError as e:
+        raise ValueError(f"{hf_dir / 'config.json'} lacks {e}") from None
     weights = convert_hf_state_dict(load_hf_weights(hf_dir), args)
     tokenizer_files = [hf_dir / f for f in ("tokenizer.json", "tokenizer.model") if (hf_dir / f).is_file()]
-    extra = {"chat_template": chat_template or guess_chat_template(hf_dir / "tokenizer_config.json"),
+    jinja = read_chat_template(hf_dir / "tokenizer_config.json")
+    extra = {"chat_template": chat_template or chat_template_name(jinja),
+             "default_system_prompt": default_system_prompt(jinja),
              "stop_token_ids": stop_ids_from_hf(hf_dir, config), "source": str(hf_dir)}
     return write_checkpoint(out_dir, weights, args, extra, tokenizer_files)
 

@@ -1,0 +1,351 @@
+"""The EAGLE draft head (Li et al., 2024, arXiv 2401.15077) and its drafting: chain, static tree, dynamic tree.
+
+The head predicts the target's next feature (its final normed hidden state, the LM head's input) from the
+current feature and the next token:  f_{t+1} ~ layer(fc(cat(embed(x_{t+1}), f_t))). Its output goes through
+the target's own LM head, and it reads the target's own embedding; both stay frozen and are not stored twice.
+One LLaMA decoder layer, whose input RMSNorm is omitted and with no final norm, as in the official code.
+
+Head positions are aligned with target positions: the pair (f_t, x_{t+1}) sits at head position t.
+Every drafting function has fixed shapes for fixed (depth, top_k, total_tokens), so it compiles once.
+"""
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import KVCache, ModelArgs, TransformerBlock, precompute_freqs_cis
+
+HEAD_FILE, HEAD_CONFIG = "head.safetensors", "head_config.json"
+
+# EAGLE-1's default tree for 7B models: each path lists child ranks (0 = the draft's top-1) from the root.
+# 25 draft nodes + the root = 26, depth 5.
+EAGLE1_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+               [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+               [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: ModelArgs, bias: bool = True):
+        super().__init__()
+        self.config, self.bias = config, bias
+        self.fc = nn.Linear(2 * config.dim, config.dim, bias=bias)
+        self.layer = TransformerBlock(config)
+        self.layer.attention_norm = nn.Identity()  # EAGLE's single layer has no input norm
+        self.max_seq_length = -1
+        self._target = None  # (embedding, lm_head) of the target, held outside the module tree
+
+    def attach(self, target):
+        """Share the target's embedding and LM head (frozen): the head never stores its own copies."""
+        t = target.config
+        for name in ("dim", "vocab_size"):
+            if getattr(t, name) != getattr(self.config, name):
+                raise ValueError(f"draft head {name} {getattr(self.config, name)} does not match the target's "
+                                 f"{getattr(t, name)}: this head was trained for another model")
+        self._target = (target.tok_embeddings, target.output)
+        return self
+
+    def embed(self, tokens):
+        return self._target[0](tokens)
+
+    def lm_head(self, hidden):
+        return self._target[1](hidden)
+
+    def setup_caches(self, max_seq_length: int):
+        if self.max_seq_length == max_seq_length:
+            return
+        self.max_seq_length = max_seq_length
+        dtype, device = self.fc.weight.dtype, self.fc.weight.device
+        if not dtype.is_floating_point:
+            dtype = self.layer.ffn_norm.weight.dtype
+        c = self.config
+        self.layer.attention.kv_cache = KVCache(1, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+        freqs = precompute_freqs_cis(max(c.block_size, max_seq_length), c.head_dim, c.rope_base, c.rope_scaling)
+        self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+
+    def forward(self, tokens: Tensor, features: Tensor, input_pos: Tensor, mask: Tensor, rope_pos: Tensor = None):
+        """tokens (1, T), features (1, T, dim) at cache slots input_pos (T,) -> predicted next features (1, T, dim)."""
+        x = self.fc(torch.cat([self.embed(tokens).to(features.dtype), features], dim=-1))
+        freqs = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
+        return self.layer(x, input_pos, freqs, mask[None, None])
+
+
+# ---------------------------------------------------------------- trees
+
+def tree_from_paths(paths):
+    """A static tree given as paths of child ranks -> (parents, ranks, depths) lists, root first (index 0),
+    nodes sorted by depth so every parent comes before its children."""
+    paths = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
+    if len(set(paths)) != len(paths) or any(len(p) == 0 or min(p) < 0 for p in paths):
+        raise ValueError("tree paths must be distinct, non-empty lists of ranks >= 0")
+    index = {(): 0}
+    parents, ranks, depths = [-1], [0], [0]
+    for i, p in enumerate(paths, 1):
+        if p[:-1] not in index:
+            raise ValueError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree")
+        index[p] = i
+        parents.append(index[p[:-1]])
+        ranks.append(p[-1])
+        depths.append(len(p))
+    return parents, ranks, depths
+
+
+def tree_ancestors(parents: Tensor, max_depth: int):
+    """parents (N,) with parents[0] == 0 for the root -> ancestor-or-self mask (N, N) and depth (N,),
+    with tensor ops only (no host sync), so it runs inside a compiled step."""
+    N = parents.numel()
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device)
+    anc = eye
+    for _ in range(max_depth):
+        anc = eye | anc[parents]
+    anc[0] = eye[0]
+    return anc, anc.sum(-1) - 1
+
+
+def head_update(head, features, tokens, start, last):
+    """Feed the head the pairs a verification just accepted and return the head output at the last one.
+
+    features (D+1, dim) target features at positions start..start+D; tokens (D+1,) the token after each;
+    only the first last+1 pairs are real (the rest is padding so the shape never changes).
+    Its output predicts the feature at start+last+1, the new root's position; its LM head gives depth 1."""
+    pos = start + torch.arange(tokens.numel(), device=tokens.device)
+    mask = torch.arange(head.max_seq_length, device=tokens.device)[None, :] <= pos[:, None]  # causal
+    out = head(tokens[None], features[None], pos, mask)[0]  # (D+1, dim)
+    return out.index_select(0, last.view(1))[0]  # (dim,)
+
+
+def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):
+    """EAGLE-2 dynamic tree: expand the top_k nodes of each depth by cumulative draft log-probability,
+    then keep the total_tokens best nodes of all depths. A chain of k is top_k=1, depth=total_tokens=k.
+
+    h_root (dim,) head output at the root; L (1,) root position. Returns node tokens (N,) and parents (N,)
+    as indices into [root] + nodes (so 0 is the root), depth-sorted, N = total_tokens."""
+    K, device = top_k, h_root.device
+    S = head.max_seq_length
+    logp = F.log_softmax(head.lm_head(h_root).float(), -1)
+    scores, tokens = logp.topk(K)  # depth 1, (K,)
+    pool_tokens, pool_scores = [tokens], [scores]
+    pool_parents = [torch.zeros(K, dtype=torch.long, device=device)]
+    pool_depth = [torch.ones(K, device=device)]
+    frontier = torch.arange(1, K + 1, device=device)  # pool indices (0 = root) of the nodes expanded next
+    frontier_h, frontier_tok, frontier_score = h_root.expand(K, -1), tokens, scores
+    n_slots = (depth - 1) * K
+    anc = torch.zeros(K, n_slots, dtype=torch.bool, device=device)  # expansion slots of each frontier's ancestors
+    prefix = (torch.arange(S, device=device) < L)[None].expand(K, S)
+    region = L + torch.arange(n_slots, device=device)
+    for d in range(depth - 1):
+        own = torch.zeros_like(anc)
+        own[:, d * K:(d + 1) * K] = torch.eye(K, dtype=torch.bool, device=device)
+        seen = anc | own
+        mask = prefix.index_copy(1, region, seen)
+        out = head(frontier_tok[None].int(), frontier_h[None], L + d * K + torch.arange(K, device=device), mask,
+                   rope_pos=(L + d).expand(K))[0]  # (K, dim)
+        logp = F.log_softmax(head.lm_head(out).float(), -1)
+        child_logp, child_tok = logp.topk(K)  # (K, K)
+        cand_score = (frontier_score[:, None] + child_logp).flatten()
+        base = 1 + K + d * K * K
+        pool_tokens.append(child_tok.flatten())
+        pool_scores.append(cand_score)
+        pool_parents.append(frontier[:, None].expand(K, K).flatten())
+        pool_depth.append(torch.full((K * K,), d + 2.0, device=device))
+        best = cand_score.topk(K).indices
+        frontier = base + best
+        frontier_tok, frontier_score = child_tok.flatten()[best], cand_score[best]
+        frontier_h, anc = out[best // K], seen[best // K]
+    tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
+    parents, depths = torch.cat(pool_parents), torch.cat(pool_depth)
+    # a child never outscores its parent (log-probs are <= 0); the depth term breaks exact ties that way
+    keep = (scores - 1e-6 * depths).topk(total_tokens).indices.sort().values  # pool order is depth order
+    node_of_pool = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=device)
+    node_of_pool[keep + 1] = torch.arange(1, total_tokens + 1, device=device)
+    return tokens[keep], node_of_pool[parents[keep]]
+
+
+class StaticTree:
+    """A fixed tree shape (paths of child ranks); the draft only fills in the tokens."""
+
+    def __init__(self, paths, device="cpu"):
+        parents, ranks, depths = tree_from_paths(paths)
+        self.n_nodes, self.depth = len(paths), max(depths)
+        self.parents = torch.tensor([0] + parents[1:], device=device)  # the root is its own parent
+        self.ranks = torch.tensor(ranks, device=device)
+        self.depths = depths
+        self.width = max(ranks) + 1  # top-k each expansion needs
+        # nodes with children, per depth; each gets its own head cache slot when expanded
+        self.expanded = [[i for i in range(len(depths)) if depths[i] == d and i in parents] for d in range(self.depth)]
+        slot = {i: s for s, i in enumerate(i for level in self.expanded[1:] for i in level)}
+        self.n_slots = len(slot)
+        anc = torch.zeros(len(depths), self.n_slots, dtype=torch.bool)
+        for i in range(1, len(depths)):  # ancestor-or-self expansion slots of each node
+            anc[i] = anc[parents[i]]
+            if i in slot:
+                anc[i, slot[i]] = True
+        self.slot_mask = anc.to(device)
+        self.slots = [torch.tensor([slot[i] for i in level], device=device) for level in self.expanded[1:]]
+        self.levels = [torch.tensor(level, device=device) for level in self.expanded]
+        self.children = [torch.tensor([i for i in range(1, len(depths)) if depths[i] == d + 1], device=device)
+                         for d in range(self.depth)]
+
+
+def draft_static(head, h_root, L, tree: StaticTree):
+    """Fill a static tree: each expanded node's children are its draft's top-k tokens at the tree's ranks.
+    Returns node tokens (N,) and parents (N,), as draft_dynamic does."""
+    device, S = h_root.device, head.max_seq_length
+    N1 = tree.n_nodes + 1
+    tokens = torch.zeros(N1, dtype=torch.long, device=device)
+    hidden = h_root.new_zeros(N1, h_root.numel())  # head output at each expanded node
+    hidden[0] = h_root
+    region = L + torch.arange(tree.n_slots, device=device)
+    for d in range(tree.depth):
+        level = tree.levels[d]
+        if d > 0:  # run the head on this depth's expanded nodes, each fed its parent's output
+            seen = tree.slot_mask[level]
+            mask = (torch.arange(S, device=device) < L)[None].expand(len(level), S).index_copy(1, region, seen)
+            out = head(tokens[level][None].int(), hidden[tree.parents[level]][None], L + tree.slots[d - 1], mask,
+                       rope_pos=(L + d - 1).expand(len(level)))[0]
+            hidden = hidden.index_copy(0, level, out)
+        top = head.lm_head(hidden[level]).topk(tree.width, dim=-1).indices  # (len(level), width)
+        kids = tree.children[d]
+        row = (tree.parents[kids][:, None] == level[None, :]).int().argmax(-1)  # which expanded node is the parent
+        tokens = tokens.index_copy(0, kids, top[row, tree.ranks[kids]])
+    return tokens[1:], tree.parents[1:]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def head_config_from_target(target_config: ModelArgs, **overrides) -> ModelArgs:
+    """A head shaped like one layer of the target (the usual choice, and what official heads use)."""
+    c = {f.name: getattr(target_config, f.name) for f in fields(ModelArgs)}
+    return ModelArgs(**{**c, "n_layer": 1, "tie_embeddings": False, **overrides})
+
+
+def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
+    """Project layout: head.safetensors (no embedding or LM head) + head_config.json. Written atomically."""
+    import os
+    import tempfile
+    from safetensors.torch import save_file
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {**head.config.to_dict(), "bias": head.bias, "target": target_info, **(extra or {})}
+    for name, write in ((HEAD_FILE, lambda p: save_file({k: v.contiguous() for k, v in head.state_dict().items()}, p)),
+                        (HEAD_CONFIG, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))):
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.")
+        os.close(fd)
+        write(tmp)
+        os.replace(tmp, out_dir / name)
+    return out_dir
+
+
+def target_info(target) -> dict:
+    c = target.config
+    return {"dim": c.dim, "vocab_size": c.vocab_size, "n_layer": c.n_layer, "n_head": c.n_head,
+            "n_local_heads": c.n_local_heads, "name": getattr(target, "name", None)}
+
+
+def load_head(path, target, device="cpu", dtype=torch.float32) -> EagleHead:
+    """Loads a head from the project layout (head_config.json) or the official EAGLE-1 layout (config.json +
+    pytorch_model.bin / model.safetensors), checks it fits the target, and attaches the target's embedding
+    and LM head. Raises ValueError / FileNotFoundError with a clear message."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"draft head directory not found: {path}")
+    if (path / HEAD_CONFIG).is_file():
+        config = _read_json(path / HEAD_CONFIG)
+        known = {f.name for f in fields(ModelArgs)}
+        args = ModelArgs(**{k: v for k, v in config.items() if k in known})
+        want = config.get("target", {})
+        for name in ("dim", "vocab_size", "n_head", "n_local_heads", "n_layer"):
+            if name in want and want[name] != getattr(target.config, name):
+                raise ValueError(f"draft head was trained for a target with {name}={want[name]}, "
+                                 f"but this target has {name}={getattr(target.config, name)}")
+        weights = _load_weights(path / HEAD_FILE)
+        bias = config.get("bias", True)
+    elif (path / "config.json").is_file():
+        args, bias, weights = _official_head(path, target)
+    else:
+        raise FileNotFoundError(f"{path} has neither {HEAD_CONFIG} (project layout) nor config.json (official EAGLE)")
+    head = EagleHead(args, bias=bias)
+    expected = head.state_dict()
+    missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
+    if missing or unexpected:
+        raise ValueError(f"draft head {path}: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
+    for k, v in weights.items():
+        if v.shape != expected[k].shape:
+            raise ValueError(f"draft head {path}: {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+    head.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    return head.to(device).eval().attach(target)
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"corrupt {path}: {e}") from None
+
+
+def _load_weights(path):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"draft head weights not found: {path}")
+    try:
+        if str(path).endswith(".bin"):
+            return torch.load(path, map_location="cpu", weights_only=True)
+        return load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as e:
+        raise ValueError(f"corrupt draft head weights {path}: {e}") from None
+
+
+OFFICIAL_KEYS = {"fc.weight": "fc.weight", "fc.bias": "fc.bias",
+                 "layers.0.self_attn.o_proj.weight": "layer.attention.wo.weight",
+                 "layers.0.mlp.gate_proj.weight": "layer.feed_forward.w1.weight",
+                 "layers.0.mlp.up_proj.weight": "layer.feed_forward.w3.weight",
+                 "layers.0.mlp.down_proj.weight": "layer.feed_forward.w2.weight",
+                 "layers.0.post_attention_layernorm.weight": "layer.ffn_norm.weight"}
+
+
+def _official_head(path: Path, target):
+    """The layout the EAGLE authors publish: an HF LLaMA config with one layer, HF key names and HF's
+    rotate-half Q/K layout (permuted here like the target's conversion)."""
+    from scripts.convert_hf_checkpoint import args_from_hf_config, permute_rotate_half
+    hf = _read_json(path / "config.json")
+    try:
+        args = args_from_hf_config(hf)
+    except KeyError as e:
+        raise ValueError(f"official EAGLE config {path / 'config.json'} lacks {e}") from None
+    files = [f for f in ("model.safetensors", "pytorch_model.bin") if (path / f).is_file()]
+    if not files:
+        raise FileNotFoundError(f"official EAGLE head {path} has no model.safetensors or pytorch_model.bin")
+    raw = _load_weights(path / files[0])
+    bias = hf.get("bias", "fc.bias" in raw)
+    required = [k for k in OFFICIAL_KEYS if k != "fc.bias" or bias]
+    required += [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ValueError(f"official EAGLE head {path} is missing keys: {', '.join(missing)}")
+    if "embed_tokens.weight" in raw and tuple(raw["embed_tokens.weight"].shape) != (target.config.vocab_size,
+                                                                                  target.config.dim):
+        raise ValueError(f"official EAGLE head {path} embeds {tuple(raw['embed_tokens.weight'].shape)}, "
+                         f"the target ({target.config.vocab_size}, {target.config.dim})")
+    args = ModelArgs(**{**args.to_dict(), "n_layer": 1, "vocab_size": args.vocab_size})
+    hd = args.head_dim
+    weights = {ours: raw[theirs] for theirs, ours in OFFICIAL_KEYS.items() if theirs in raw}
+    q = permute_rotate_half(raw["layers.0.self_attn.q_proj.weight"], args.n_head, hd)
+    k = permute_rotate_half(raw["layers.0.self_attn.k_proj.weight"], args.n_local_heads, hd)
+    weights["layer.attention.wqkv.weight"] = torch.cat([q, k, raw["layers.0.self_attn.v_proj.weight"]])
+    return args, bias, weights
+
+
+def random_head(target, seed=0, scale=1.0) -> EagleHead:
+    """An untrained head (for tests and for measuring the machinery): output is still exact, acceptance low."""
+    torch.manual_seed(seed)
+    head = EagleHead(head_config_from_target(target.config))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(scale)
+    dtype = target.output.weight.dtype if target.output.weight.dtype.is_floating_point else torch.float32
+    return head.to(device=target.output.weight.device, dtype=dtype).eval().attach(target)
