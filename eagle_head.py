@@ -97,12 +97,22 @@ def tree_ancestors(parents: Tensor, max_depth: int):
     """parents (N,) with parents[0] == 0 for the root -> ancestor-or-self mask (N, N) and depth (N,),
     with tensor ops only (no host sync), so it runs inside a compiled step."""
     N = parents.numel()
-    eye = torch.eye(N, dtype=torch.bool, device=parents.device)
+    idx = torch.arange(N, device=parents.device)
+    eye = idx[:, None] == idx[None, :]
     anc = eye
-    for _ in range(max_depth):
+    for _ in range(max_depth):  # the root is its own parent, so its row stays itself
         anc = eye | anc[parents]
-    anc[0] = eye[0]
     return anc, anc.sum(-1) - 1
+
+
+def tree_attention_mask(L, S: int, tree_part):
+    """(T, S) mask over a cache of S slots: every row sees the prefix (slots < L), and tree_part (T, W) says
+    which of the slots L..L+W-1 it also sees. Built with gathers, not by writing into an expanded tensor,
+    which Inductor miscompiles (every row aliased to one)."""
+    W = tree_part.shape[1]
+    rel = torch.arange(S, device=tree_part.device) - L  # (S,)
+    inside = (rel >= 0) & (rel < W)
+    return (rel < 0)[None, :] | (tree_part[:, rel.clamp(0, max(W - 1, 0))] & inside[None, :])
 
 
 def head_update(head, features, tokens, start, last):
@@ -134,13 +144,10 @@ def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):
     frontier_h, frontier_tok, frontier_score = h_root.expand(K, -1), tokens, scores
     n_slots = (depth - 1) * K
     anc = torch.zeros(K, n_slots, dtype=torch.bool, device=device)  # expansion slots of each frontier's ancestors
-    prefix = (torch.arange(S, device=device) < L)[None].expand(K, S)
-    region = L + torch.arange(n_slots, device=device)
+    slot_ids = torch.arange(n_slots, device=device)
     for d in range(depth - 1):
-        own = torch.zeros_like(anc)
-        own[:, d * K:(d + 1) * K] = torch.eye(K, dtype=torch.bool, device=device)
-        seen = anc | own
-        mask = prefix.index_copy(1, region, seen)
+        seen = anc | (slot_ids[None, :] == d * K + torch.arange(K, device=device)[:, None])  # + own slot
+        mask = tree_attention_mask(L, S, seen)
         out = head(frontier_tok[None].int(), frontier_h[None], L + d * K + torch.arange(K, device=device), mask,
                    rope_pos=(L + d).expand(K))[0]  # (K, dim)
         logp = F.log_softmax(head.lm_head(out).float(), -1)
@@ -198,12 +205,11 @@ def draft_static(head, h_root, L, tree: StaticTree):
     tokens = torch.zeros(N1, dtype=torch.long, device=device)
     hidden = h_root.new_zeros(N1, h_root.numel())  # head output at each expanded node
     hidden[0] = h_root
-    region = L + torch.arange(tree.n_slots, device=device)
     for d in range(tree.depth):
         level = tree.levels[d]
         if d > 0:  # run the head on this depth's expanded nodes, each fed its parent's output
             seen = tree.slot_mask[level]
-            mask = (torch.arange(S, device=device) < L)[None].expand(len(level), S).index_copy(1, region, seen)
+            mask = tree_attention_mask(L, S, seen)
             out = head(tokens[level][None].int(), hidden[tree.parents[level]][None], L + tree.slots[d - 1], mask,
                        rope_pos=(L + d - 1).expand(len(level)))[0]
             hidden = hidden.index_copy(0, level, out)

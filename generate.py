@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_head import EAGLE1_TREE, StaticTree, draft_static, draft_dynamic, head_update, tree_ancestors
+from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, tree_ancestors,
+                        tree_attention_mask)
 from model import ModelArgs, Transformer
 from tokenizer import apply_chat_template, get_tokenizer
 
@@ -165,7 +166,7 @@ def verify_step(model, tree_tokens, parents, L, max_depth: int, **sampling):
     N1, S, device = tree_tokens.numel(), model.max_seq_length, tree_tokens.device
     anc, depth = tree_ancestors(parents, max_depth)  # (N1, N1), (N1,)
     slots = L + torch.arange(N1, device=device)
-    mask = (torch.arange(S, device=device) < L)[None].expand(N1, S).index_copy(1, slots, anc)
+    mask = tree_attention_mask(L, S, anc)
     logits, features = model(tree_tokens[None].int(), slots, mask=mask, rope_pos=L + depth, return_features=True)
     choices = choose_tokens(logits[0], tree_tokens, parents, **sampling).long()  # (N1,)
     matches = tree_tokens == choices[parents]
@@ -173,17 +174,17 @@ def verify_step(model, tree_tokens, parents, L, max_depth: int, **sampling):
     accepted = matches
     for _ in range(max_depth):
         accepted = matches & accepted[parents]
-    best = (accepted * (depth + 1)).argmax()  # the deepest accepted node; accepted nodes form one path
-    n_accepted = depth[best]
+    best = (accepted * (depth + 1)).argmax().view(1)  # the deepest accepted node; accepted nodes form one path
+    n_accepted = depth.index_select(0, best)[0]
     steps = torch.arange(max_depth + 1, device=device)
-    path = (anc[best][None, :] & (depth[None, :] == steps[:, None])).int().argmax(-1)  # node at each depth
+    path = (anc.index_select(0, best) & (depth[None, :] == steps[:, None])).int().argmax(-1)  # node at each depth
     src, dst = L + path, L + steps
     for layer in model.layers:
         cache = layer.attention.kv_cache
         cache.k_cache.index_copy_(2, dst, cache.k_cache.index_select(2, src))
         cache.v_cache.index_copy_(2, dst, cache.v_cache.index_select(2, src))
-    bonus = choices[best]
-    next_tokens = torch.cat([tree_tokens[path[1:]], bonus.view(1)])
+    bonus = choices.index_select(0, best)
+    next_tokens = torch.cat([tree_tokens[path[1:]], bonus])
     next_tokens = torch.where(steps == n_accepted, bonus, next_tokens)
     return next_tokens, features[0, path], n_accepted
 

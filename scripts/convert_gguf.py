@@ -21,6 +21,10 @@ from tokenizer import chat_template_name, default_system_prompt  # noqa: E402
 GGUF_TO_OURS = {"attn_output": "attention.wo", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
                 "ffn_down": "feed_forward.w2", "attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
 
+# the pre-tokenizer split pattern of Llama-3's tokenizer.json (llama.cpp calls it "llama-bpe")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
 
 def field(reader, key, default=None):
     f = reader.fields.get(key)
@@ -97,7 +101,7 @@ def gguf_weights(reader, args: ModelArgs) -> dict:
 
 def gguf_tokenizer_json(reader) -> str:
     """A byte-level BPE tokenizer.json from the GGUF's token list, merges and token types."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     if field(reader, "tokenizer.ggml.model") != "gpt2":
         raise ValueError("only byte-level BPE ('gpt2') GGUF tokenizers are supported; "
                          "for SentencePiece models convert the Hugging Face checkpoint instead")
@@ -105,8 +109,13 @@ def gguf_tokenizer_json(reader) -> str:
     types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if field(reader, "tokenizer.ggml.pre") in ("smollm", "starcoder", "refact"):
+    pre_type = field(reader, "tokenizer.ggml.pre")
+    if pre_type == "llama-bpe":  # Llama-3 splits text with its own pattern (numbers in groups of 3, ...)
+        pre = [pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    else:  # GPT-2's pattern
+        pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if pre_type in ("smollm", "starcoder", "refact"):
         pre.insert(0, pre_tokenizers.Digits(individual_digits=True))  # these split numbers digit by digit
     tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
     tok.decoder = decoders.ByteLevel()

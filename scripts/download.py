@@ -7,6 +7,7 @@ Only the config, tokenizer and weight files are fetched, into a temporary direct
 is deleted after the conversion (scripts/convert_hf_checkpoint.py does the conversion).
 """
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -71,9 +72,13 @@ def download(repo_id, out=None, token=None, chat_template=None) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.download") as tmp:
         hf_dir = fetch(repo_id, tmp, token)
         try:
-            return convert_hf_checkpoint(hf_dir, out, chat_template)
+            out = convert_hf_checkpoint(hf_dir, out, chat_template)
         except (FileNotFoundError, KeyError, ValueError) as e:
             raise DownloadError(f"converting {repo_id} failed: {e}") from None
+    # the converter records the directory it read, a temporary one here: name the repository instead
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "source": f"hf:{repo_id}"}, indent=2) + "\n")
+    return out
 
 
 def main(argv=None):

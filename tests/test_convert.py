@@ -27,7 +27,7 @@ CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_v
            vocab_size=300, rope_theta=1000.0, rms_norm_eps=1e-5, max_position_embeddings=128,
            tie_word_embeddings=False)
 T = 12
-IDS = torch.randint(0, 266, (T,), generator=torch.Generator().manual_seed(1))  # 266: the tiny GGUF vocab
+IDS = torch.randint(0, 267, (T,), generator=torch.Generator().manual_seed(1))  # 267: the tiny GGUF vocab
 SYSTEM = "You are a tiny test model"
 CHATML_JINJA = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                 "{{ '<|im_start|>system\n" + SYSTEM + "<|im_end|>\n' }}{% endif %}"
@@ -272,7 +272,7 @@ def test_hf_tokenizer_files_chat_template_and_stop_ids(tmp_path):
 # ---------------------------------------------------------------- GGUF
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["u s", "us e", "use r", "h i", "Ġ t", "Ġt h", "Ġth e"]
+MERGES = ["u s", "us e", "use r", "h i", "Ġ t", "Ġt h", "Ġth e", "3 4"]
 
 
 def bpe_vocab():
@@ -300,7 +300,7 @@ def to_interleaved(w, n_heads, hd):
     return w[torch.tensor(rows)]
 
 
-def write_gguf(path, cfg, w, arch="llama", rope_freqs=None, kv=()):
+def write_gguf(path, cfg, w, arch="llama", rope_freqs=None, kv=(), pre="gpt2"):
     """The HF weights `w` as llama.cpp's converter writes them: GGUF names, Q/K rows interleaved."""
     H, KV, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
     tokens, types = bpe_vocab()
@@ -315,7 +315,7 @@ def write_gguf(path, cfg, w, arch="llama", rope_freqs=None, kv=()):
     wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     wr.add_rope_dimension_count(hd)
     wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("gpt2")
+    wr.add_tokenizer_pre(pre)
     wr.add_token_list(tokens)
     wr.add_token_merges(MERGES)
     wr.add_token_types(types)
@@ -392,6 +392,20 @@ def test_gguf_tokenizer_and_chat_config(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["chat_template"] == "chatml" and config["default_system_prompt"] == SYSTEM
     assert config["stop_token_ids"] == sorted({0, vocab["<|im_end|>"]})  # the GGUF's eos and ChatML's end of turn
+
+
+def test_gguf_llama3_pretokenizer(tmp_path):
+    """Llama-3 GGUFs ("llama-bpe") split digits into groups of three before BPE; GPT-2's pattern does not."""
+    cfg = gguf_cfg(False)
+    w = hf_weights(cfg)
+    vocab = {t: i for i, t in enumerate(bpe_vocab()[0])}
+
+    def encode(pre, text):
+        out = cg.convert_gguf(write_gguf(tmp_path / f"{pre}.gguf", cfg, w, pre=pre), tmp_path / pre)
+        return get_tokenizer(out).encode(text)
+
+    assert encode("gpt2", "12345") == [vocab[c] for c in ("1", "2", "34", "5")]  # merge "3 4" applies
+    assert encode("llama-bpe", "12345") == [vocab[c] for c in "12345"]  # "123" | "45": no "34" to merge
 
 
 def test_gguf_q8_0_dequantizes_close(tmp_path):
@@ -489,6 +503,8 @@ def test_download_converts_a_fake_hub_repo(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     config = json.loads((out / "config.json").read_text())
     assert config["chat_template"] == "chatml" and config["default_system_prompt"] == SYSTEM
+    assert config["source"] == "hf:someone/tiny-llama"
+    assert config["stop_token_ids"] == sorted({0, bpe_vocab()[0].index("<|im_end|>")})  # config's eos, ChatML's end
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["tiny"]  # the download directory is gone
 
 
