@@ -53,7 +53,9 @@ def iter_json_list(path, chunk_chars=1 << 20):
             if not started:
                 buf = buf.lstrip()
                 if not buf:
-                    return
+                    if not chunk:
+                        return
+                    continue  # only whitespace so far
                 if buf[0] != "[":
                     raise ValueError(f"{path} is not a JSON list")
                 buf, started = buf[1:], True
@@ -65,6 +67,8 @@ def iter_json_list(path, chunk_chars=1 << 20):
                     obj, end = decoder.raw_decode(buf)
                 except json.JSONDecodeError:
                     break  # the object continues in the next chunk (or the file was cut here)
+                if end == len(buf) and chunk:
+                    break  # a number at the end of the buffer may continue in the next chunk
                 yield obj
                 buf = buf[end:]
             if not chunk:
@@ -156,7 +160,7 @@ def tokenize_example(ex, tokenizer, template, system, max_len):
     for i, m in enumerate(ex):
         # the template rendered up to message i ends with the assistant header; the rest of what message i
         # adds (up to the next header) is the reply
-        before = tokenizer.encode(apply_chat_template(ex[:i], template, system)) if i else []
+        before = tokenizer.encode(apply_chat_template(ex[:i], template, system))  # (system and) header at i=0
         upto = tokenizer.encode(apply_chat_template(ex[:i + 1], template, system))
         header = len(tokenizer.encode(apply_chat_template([], template, None)))
         body = upto[len(ids):len(upto) - header]
@@ -418,13 +422,16 @@ def fit(args):
         if i == 0 or step == start_step:
             epoch_batches = batches_for_epoch(lengths, global_batch, epoch, args.seed)
         batch_ids = epoch_batches[i]
-        local = batch_ids[rank::world]  # each process takes its share of the global batch
-        tokens, inputs, targets, mask = (t.to(args.device) for t in make_batch([train_seqs[j] for j in local]))
+        # every process builds the global batch and its input noise (from the CPU generator, which the resume
+        # state holds), then takes its share of the rows: the same numbers as one process with the whole batch
+        tokens, inputs, targets, mask = make_batch([train_seqs[j] for j in batch_ids])
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * 0.1
+        tokens, inputs, targets, mask = (t[rank::world].to(args.device) for t in (tokens, inputs, targets, mask))
         global_count = sum(train_seqs[j][2][1:].sum().item() for j in batch_ids)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, args.warmup, args.lr)
         with autocast:
-            loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask)
+            loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask, noise=0)  # noise added above
         opt.zero_grad(set_to_none=True)
         # DDP averages gradients over processes: scale each local loss so the average is the mean over the
         # global batch's masked tokens, exactly what one process with the whole batch computes

@@ -1,0 +1,68 @@
+"""The verify-cost curve: one target forward over T tree tokens, relative to one plain decode step (T=1).
+
+    python scripts/verify_cost.py --dtype bfloat16 --sizes 1 8 16 32 64
+
+This is what sizes the draft tree for a machine: tokens a verification can check for about the price of one
+decode step are nearly free. Each T runs with the static KV cache at a realistic prefix length, a tree mask, and
+(by default) the forward compiled for that shape; the sizes are timed interleaved, several rounds, medians.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eagle_head import tree_ancestors, tree_attention_mask  # noqa: E402
+from generate import DTYPES, default_checkpoint, load_model  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--no_compile", action="store_true")
+    args = p.parse_args()
+    model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype])
+    S = args.prefix + max(args.sizes) + 8
+    model.setup_caches(1, S)
+    with torch.no_grad():
+        model(torch.randint(0, 1000, (1, args.prefix)), torch.arange(args.prefix))
+
+    def verify(tokens, slots, mask, rope_pos):
+        return model(tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True)
+
+    step = verify if args.no_compile else torch.compile(verify, fullgraph=True, dynamic=False)
+    inputs = {}
+    for T in args.sizes:  # a random tree of T nodes (each node's parent comes before it)
+        parents = torch.tensor([0] + [int(torch.randint(0, i, (1,))) for i in range(1, T)])
+        anc, depth = tree_ancestors(parents, T)
+        L = torch.tensor([args.prefix])
+        inputs[T] = (torch.randint(0, 1000, (1, T)), L + torch.arange(T), tree_attention_mask(L, S, anc), L + depth)
+        with torch.no_grad():
+            for _ in range(2):  # compile and warm up
+                step(*inputs[T])
+    times = {T: [] for T in args.sizes}
+    with torch.no_grad():
+        for _ in range(args.rounds):
+            for T in args.sizes:
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step(*inputs[T])
+                times[T].append((time.perf_counter() - t0) / 3)
+    base = statistics.median(times[args.sizes[0]])
+    print(f"{args.dtype}, {'eager' if args.no_compile else 'compiled'}, prefix {args.prefix}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
+    for T in args.sizes:
+        m = statistics.median(times[T])
+        print(f"| {T} | {m * 1e3:.1f} | {m / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""train.py: data loading and masking, batching, the loss, validation metrics, and `fit` end to end on a tiny
+target (features, checkpoints, resume after a real kill, DDP with two processes, bad inputs, --help)."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import train
+from conftest import ROOT, make_tiny_model
+from eagle_head import EagleHead, head_config_from_target, load_head
+from generate import load_model
+from tokenizer import apply_chat_template
+
+# subprocess runs: one thread each, so two runs of the same computation are bit-identical
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from threads, and on busy cores they make each op far slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- data
+
+def test_iter_json_list_truncated_file_and_small_chunks(tmp_path):
+    records = [{"id": str(i), "text": f"record {i}, with [brackets], {{braces}}, \"quotes\" and ünïcode " * (i + 1)}
+               for i in range(8)] + [17, [1, 2], "s"]
+    full = json.dumps(records, indent=1, ensure_ascii=False)
+    path = tmp_path / "list.json"
+    path.write_text("\n  " + full, encoding="utf-8")
+    for chunk in (1, 7, 64, 1 << 20):
+        assert list(train.iter_json_list(path, chunk_chars=chunk)) == records
+    cut = full.index('"record 6')  # inside record 6's string: records 0-5 complete, 6 cut off
+    path.write_text(full[:cut], encoding="utf-8")
+    for chunk in (1, 7, 64, 1 << 20):
+        assert list(train.iter_json_list(path, chunk_chars=chunk)) == records[:6]
+    path.write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="not a JSON list"):
+        list(train.iter_json_list(path))
+
+
+def test_normalise_formats():
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                  {"from": "human", "value": "dangling question"}]}
+    assert train.normalise(sharegpt) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "User", "content": "q"},
+                         {"role": "assistant", "content": "a"}]}
+    assert [m["role"] for m in train.normalise(chat)] == ["system", "user", "assistant"]
+    assert train.normalise({"text": "plain"}) == "plain"
+    for bad in ({}, {"text": 3}, {"conversations": "x"}, {"conversations": [{"from": "human", "value": "only q"}]},
+                {"conversations": [{"from": "alien", "value": "?"}, {"from": "gpt", "value": "a"}]},
+                {"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "a"}]}):
+        assert train.normalise(bad) is None, bad
+
+
+def test_load_examples_from_jsonl_drops_benchmark_prompts(tmp_path, monkeypatch):
+    bench = "Compose an engaging travel blog post about a recent trip to Hawaii"
+    monkeypatch.setattr(train, "benchmark_prompts", lambda: [bench])
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+            {"id": "bench", "conversations": [{"from": "human", "value": bench.replace(" ", "\n  ", 3) + "!"},
+                                              {"from": "gpt", "value": "ok"}]},
+            {"id": "bad", "conversations": [{"from": "human", "value": "unanswered"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]},
+            {"text": "just text"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    got = train.load_examples(str(data), 100)
+    assert [i for i, _ in got] == ["a", "1", "2"]  # records without an id are numbered as kept
+    assert got[2][1] == "just text"
+    assert [i for i, _ in train.load_examples(str(data), 2)] == ["a", "1"]
+    with pytest.raises(FileNotFoundError, match="--data"):
+        train.load_examples(str(tmp_path / "missing.jsonl"), 10)
+
+
+def test_benchmark_prompts_found_when_flexeval_installed():
+    import importlib.util
+    if importlib.util.find_spec("flexeval") is None:
+        pytest.skip("flexeval not installed")
+    prompts = train.benchmark_prompts()
+    assert prompts and all(isinstance(p, str) and 20 <= len(p) <= 120 for p in prompts)
+
+
+def test_is_validation_is_stable_and_near_the_fraction():
+    ids = [f"conv-{i}" for i in range(2000)]
+    first = [train.is_validation(i, 0.1) for i in ids]
+    assert first == [train.is_validation(i, 0.1) for i in reversed(ids)][::-1]
+    assert 0.07 < sum(first) / len(ids) < 0.13
+    assert not any(train.is_validation(i, 0.0) for i in ids)
+    # a larger fraction only adds ids: the validation set of a run is never moved to training by another
+    assert all(train.is_validation(i, 0.3) for i, v in zip(ids, first) if v)
+
+
+# ---------------------------------------------------------------- tokenization and masks
+
+def masked_runs(tok, ids, mask):
+    """Decoded text of each maximal run of masked tokens."""
+    runs, cur = [], []
+    for i, m in zip(ids + [None], mask + [0]):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs
+
+
+@pytest.mark.parametrize("first", ["user", "system", "assistant"])
+def test_tokenize_masks_exactly_the_assistant_replies(real_tokenizer, first):
+    tok, system = real_tokenizer, "You are a helpful assistant"
+    ex = [{"role": "user", "content": "What is 2+2? Answer briefly."},
+          {"role": "assistant", "content": "It is 4."},
+          {"role": "user", "content": "And 3 + 3?"},
+          {"role": "assistant", "content": "6, of course.\nAnything else?"}]
+    if first == "system":
+        ex = [{"role": "system", "content": "Talk like a pirate."}] + ex
+    if first == "assistant":  # ShareGPT has conversations that open with the model's turn
+        ex = [{"role": "assistant", "content": "Ahoy, ask me anything."}] + ex
+    ids, mask = train.tokenize_example(ex, tok, "chatml", system, 10_000)
+    assert len(ids) == len(mask)
+    replies = [m["content"] + "<|im_end|>\n" for m in ex if m["role"] == "assistant"]
+    assert masked_runs(tok, ids, mask) == replies
+    # nothing is lost: the tokens are the whole rendered conversation minus the next assistant header
+    assert tok.decode(ids) + "<|im_start|>assistant\n" == apply_chat_template(ex, "chatml", system)
+
+    short_ids, short_mask = train.tokenize_example(ex, tok, "chatml", system, 20)
+    assert len(short_ids) == len(short_mask) == 20
+    assert short_ids == ids[:20] and short_mask == mask[:20]
+
+
+def test_tokenize_plain_text_masks_everything(real_tokenizer):
+    ids, mask = train.tokenize_example("Once upon a time, a tokenizer.", real_tokenizer, "chatml", "sys", 1000)
+    assert ids == real_tokenizer.encode("Once upon a time, a tokenizer.") and mask == [1] * len(ids)
+    ids, mask = train.tokenize_example("Once upon a time, a tokenizer.", real_tokenizer, "chatml", "sys", 3)
+    assert len(ids) == len(mask) == 3
+
+
+# ---------------------------------------------------------------- batches
+
+def test_batches_for_epoch_deterministic_disjoint_full():
+    lengths = torch.randint(5, 300, (103,), generator=torch.Generator().manual_seed(1)).tolist()
+    a = train.batches_for_epoch(lengths, 8, 0, seed=3)
+    assert a == train.batches_for_epoch(lengths, 8, 0, seed=3)
+    assert a != train.batches_for_epoch(lengths, 8, 1, seed=3)
+    assert a != train.batches_for_epoch(lengths, 8, 0, seed=4)
+    for epoch in range(3):
+        batches = train.batches_for_epoch(lengths, 8, epoch, seed=3)
+        flat = [i for b in batches for i in b]
+        assert len(batches) == 103 // 8 and all(len(b) == 8 for b in batches)
+        assert len(set(flat)) == len(flat) and set(flat) <= set(range(103))
+    assert train.batches_for_epoch(lengths[:5], 8, 0, seed=0) == []
+
+
+def random_seq(n, dim=6, g=None):
+    g = g or torch.Generator().manual_seed(n)
+    return (torch.randint(0, 50, (n,), generator=g), torch.randn(n, dim, generator=g).to(torch.bfloat16),
+            (torch.rand(n, generator=g) < 0.6).to(torch.uint8))
+
+
+def test_make_batch_alignment_and_padding():
+    seqs = [random_seq(n) for n in (7, 12, 4)]
+    tokens, inputs, targets, mask = train.make_batch(seqs)
+    assert tokens.shape == mask.shape == (3, 11) and inputs.shape == targets.shape == (3, 11, 6)
+    for b, (tok, feat, m) in enumerate(seqs):
+        n = len(tok) - 1
+        for t in range(n):
+            assert tokens[b, t] == tok[t + 1]
+            assert torch.equal(inputs[b, t], feat[t].float()) and torch.equal(targets[b, t], feat[t + 1].float())
+            assert mask[b, t] == m[t + 1]
+        assert not mask[b, n:].any() and not inputs[b, n:].any() and not tokens[b, n:].any()
+
+
+# ---------------------------------------------------------------- loss and metrics
+
+def tiny_head(target, seed=0):
+    torch.manual_seed(seed)
+    head = EagleHead(head_config_from_target(target.config)).attach(target)
+    head.setup_caches(128)
+    head.layer.attention.kv_cache = None  # as fit() trains: whole sequences, no cache
+    return head
+
+
+def target_features(model, tokens):
+    """The tiny target's real features (final normed hidden states) for a 1-D token sequence."""
+    model.setup_caches(1, len(tokens))
+    with torch.no_grad():
+        _, feats = model(tokens[None], torch.arange(len(tokens)), return_features=True)
+    return feats[0]
+
+
+def test_eagle_loss_decreases_when_training_on_a_fixed_batch():
+    target = make_tiny_model()
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (20, 24, 17, 24):
+        tok = torch.randint(0, 96, (n,), generator=g)
+        seqs.append((tok, target_features(target, tok), torch.ones(n, dtype=torch.uint8)))
+    batch = train.make_batch(seqs)
+    head = tiny_head(target)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses, accs = [], []
+    for _ in range(40):
+        loss, count, correct = train.eagle_loss(head, head, *batch, noise=0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        accs.append(correct.item() / count.item())
+    assert count == batch[3].sum()
+    assert losses[-1] < 0.5 * losses[0] and accs[-1] > accs[0]
+    assert not any(p.grad is not None for p in target.parameters() if p.requires_grad is False)
+
+
+def test_multi_step_accuracy_step0_is_exact():
+    target, g = make_tiny_model(), torch.Generator().manual_seed(1)
+    head = tiny_head(target, seed=3)
+    seqs = []
+    for n in (30, 25, 9, 40):
+        tok = torch.randint(0, 96, (n,), generator=g)
+        seqs.append((tok, target_features(target, tok).to(torch.bfloat16), torch.ones(n, dtype=torch.uint8)))
+    seqs.append((seqs[0][0], seqs[0][1], torch.zeros(30, dtype=torch.uint8)))  # no assistant tokens: skipped
+    steps = 3
+    acc = train.multi_step_accuracy(head, seqs, steps=steps, starts_per_seq=1000)
+    hits = total = 0
+    with torch.no_grad():
+        for tok, feat, m in seqs:
+            if not m.any():
+                continue
+            pred = train.head_forward(head, tok[1:][None], feat[:-1].float()[None])[0]  # f_{t+1} from (f_t, x_{t+1})
+            agree = head.lm_head(pred).argmax(-1) == head.lm_head(feat[1:].float()).argmax(-1)
+            starts = range(len(tok) - steps - 2)  # every start that leaves room for `steps` more predictions
+            hits += agree[list(starts)].sum().item()
+            total += len(starts)
+    assert len(acc) == steps + 1 and 0 < total
+    assert acc[0] == pytest.approx(hits / total, abs=1e-12)
+
+
+def test_multi_step_accuracy_is_perfect_on_the_heads_own_trajectory():
+    """Oracle: features that are the head's own predictions, f_{t+1} = head(f_<=t, x_<=t+1), make every step
+    right, since feeding back a prediction then changes nothing."""
+    target = make_tiny_model()
+    head = tiny_head(target, seed=5)
+    tok = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(2))
+    feats = torch.zeros(24, target.config.dim)
+    feats[0] = target_features(target, tok)[0]
+    with torch.no_grad():
+        for t in range(23):
+            feats[t + 1] = train.head_forward(head, tok[1:t + 2][None], feats[None, :t + 1])[0, t]
+    acc = train.multi_step_accuracy(head, [(tok, feats, torch.ones(24, dtype=torch.uint8))], steps=4)
+    assert acc == [1.0] * 5
+    real = train.multi_step_accuracy(head, [(tok, target_features(target, tok), torch.ones(24, dtype=torch.uint8))])
+    assert real[0] < 1.0  # an untrained head on the target's own features is not an oracle
+
+
+# ---------------------------------------------------------------- fit end to end, tiny target
+
+N_TRAIN, N_VAL = 24, 4
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny checkpoint and a run directory of feature shards made by that target on random tokens."""
+    root = tmp_path_factory.mktemp("tiny")
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    model = make_tiny_model()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({**model.config.to_dict(), "stop_token_ids": [],
+                                                  "chat_template": "none"}))
+    target = load_model(ckpt)
+    g = torch.Generator().manual_seed(0)
+    run = root / "run"
+    (run / "features").mkdir(parents=True)
+    split = [0] * N_TRAIN + [1] * N_VAL
+    split = [split[i] for i in torch.randperm(len(split), generator=g)]
+    for shard, rows in enumerate((split[:13], split[13:])):
+        toks, feats, masks, offsets = [], [], [], [0]
+        for _ in rows:
+            n = int(torch.randint(12, 40, (1,), generator=g))
+            tok = torch.randint(0, 96, (n,), generator=g)
+            mask = torch.ones(n, dtype=torch.uint8)
+            mask[:4] = 0  # a prompt, then the "reply"
+            toks.append(tok.int())
+            feats.append(target_features(target, tok).to(torch.bfloat16))
+            masks.append(mask)
+            offsets.append(offsets[-1] + n)
+        train.atomic_save({"tokens": torch.cat(toks), "features": torch.cat(feats), "loss_mask": torch.cat(masks),
+                           "offsets": torch.tensor(offsets), "split": torch.tensor(rows, dtype=torch.uint8)},
+                          run / "features" / f"shard_{shard:05d}.safetensors")
+    (run / "extract_config.json").write_text(json.dumps({"checkpoint": str(ckpt)}))
+    return ckpt, run
+
+
+def fresh_run(tiny_run, tmp_path, name):
+    out = tmp_path / name
+    shutil.copytree(tiny_run[1], out)
+    return out
+
+
+def head_weights(out):
+    return load_file(str(out / "head" / "head.safetensors"))
+
+
+def assert_same_weights(a, b, atol=0.0):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=atol), (k, (a[k] - b[k]).abs().max().item())
+
+
+def run_fit(out, *args, torchrun=False, timeout=300):
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                               str(free_port())] if torchrun else []) + ["train.py", "fit", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tiny_checkpoint_loads_and_shards_read_back(tiny_run):
+    ckpt, run = tiny_run
+    model = load_model(ckpt)
+    assert model.config.vocab_size == 96 and model.checkpoint_config["stop_token_ids"] == []
+    train_seqs, val_seqs = train.load_features(run)
+    assert (len(train_seqs), len(val_seqs)) == (N_TRAIN, N_VAL)
+    tok, feat, mask = train_seqs[0]
+    assert tok.dtype == torch.long and feat.shape == (len(tok), 64) and mask.shape == tok.shape
+    assert torch.allclose(feat.float(), target_features(model, tok), atol=0.05)  # bf16 of the real features
+
+
+def test_fit_writes_a_loadable_head_summary_and_state(tiny_run, tmp_path):
+    out = fresh_run(tiny_run, tmp_path, "fit")  # checkpoint from extract_config.json
+    train.main(["fit", "--out", str(out), "--epochs", "2", "--batch_size", "4", "--save_every", "3",
+                "--warmup", "2", "--eval_prompts", "2"])
+    steps = 2 * (N_TRAIN // 4)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["train_sequences"] == N_TRAIN
+    acc = summary["val_accuracy_by_step"]
+    assert len(acc) == 5 and all(0 <= a <= 1 for a in acc)
+    assert summary["val_tau_dynamic"] >= 1.0
+    state = torch.load(out / "train_state.pt", weights_only=True)
+    assert state["step"] == steps
+    config = json.loads((out / "head" / "head_config.json").read_text())
+    assert config["trained_steps"] == steps and config["target"]["vocab_size"] == 96
+    target = load_model(tiny_run[0])
+    head = load_head(out / "head", target)
+    assert_same_weights(head.state_dict(), state["head"])
+    assert not torch.equal(head.state_dict()["fc.weight"], tiny_head(target).state_dict()["fc.weight"])
+
+
+def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tmp_path):
+    args = ["--epochs", "10", "--batch_size", "4", "--save_every", "2", "--warmup", "5", "--no_eval"]
+    total = 10 * (N_TRAIN // 4)
+    full = fresh_run(tiny_run, tmp_path, "full")
+    run_fit(full, *args)
+
+    out = fresh_run(tiny_run, tmp_path, "killed")
+    state_path, killed_at = out / "train_state.pt", None
+    proc = subprocess.Popen([sys.executable, "train.py", "fit", "--out", str(out), *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline:
+            if state_path.is_file():  # written with os.replace: never seen half-written
+                killed_at = torch.load(state_path, weights_only=True)["step"]
+                if killed_at >= 4:
+                    proc.kill()
+                    break
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0, "the run finished before it could be killed"
+    saved = torch.load(state_path, weights_only=True)["step"]
+    assert 4 <= saved < total  # killed mid-run
+
+    resumed = run_fit(out, *args, "--resume")
+    assert f"resumed from step {saved}" in resumed.stderr
+    assert torch.load(state_path, weights_only=True)["step"] == total
+    assert_same_weights(head_weights(out), head_weights(full))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tiny_run, tmp_path):
+    args = ["--epochs", "1", "--batch_size", "4", "--warmup", "2", "--no_eval"]
+    single, ddp = fresh_run(tiny_run, tmp_path, "single"), fresh_run(tiny_run, tmp_path, "ddp")
+    run_fit(single, *args)
+    run_fit(ddp, *args, torchrun=True)
+    # rank 0 saves; its weights equal the one-process run's only if rank 1's gradients (over its half of
+    # every batch) were right and averaged in, and both ranks then apply the same update
+    assert_same_weights(head_weights(ddp), head_weights(single), atol=1e-5)
+
+
+def exit_code_and_stderr(argv, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys, default_checkpoint):
+    ckpt, _ = tiny_run
+    code, err = exit_code_and_stderr(["fit", "--out", str(tmp_path / "empty"), "--checkpoint", str(ckpt)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "no feature shards" in err
+    code, err = exit_code_and_stderr(["extract", "--out", str(tmp_path / "x"), "--checkpoint", str(default_checkpoint),
+                                      "--data", str(tmp_path / "missing.jsonl")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "missing.jsonl" in err
+    out = fresh_run(tiny_run, tmp_path, "small")
+    code, err = exit_code_and_stderr(["fit", "--out", str(out), "--batch_size", str(N_TRAIN + 1)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "fewer than one batch" in err
+
+
+# ---------------------------------------------------------------- command line
+
+def test_help_lists_the_options(capsys):
+    capsys.readouterr()
+    top = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert top.returncode == 0 and "extract" in top.stdout and "fit" in top.stdout
+    for command, options in (("fit", ["--out", "--checkpoint", "--epochs", "--batch_size", "--lr", "--warmup",
+                                      "--save_every", "--resume", "--bf16", "--no_eval", "--eval_prompts"]),
+                             ("extract", ["--out", "--checkpoint", "--data", "--num_conversations", "--max_len",
+                                          "--shard_size", "--val_fraction", "--regenerate", "--regen_tokens"])):
+        with pytest.raises(SystemExit) as e:
+            train.main([command, "--help"])
+        text = capsys.readouterr().out
+        assert e.value.code == 0
+        assert all(o in text for o in options), [o for o in options if o not in text]
