@@ -343,7 +343,7 @@ def validation_tau(head, model, seqs, stop_ids, n_prompts=4, max_new_tokens=64):
     new, forwards = 0, 0
     for tok, _, m in seqs[:n_prompts]:
         first = int(m.nonzero()[0]) if m.any() else len(tok)
-        prompt = tok[:first][-256:]
+        prompt = tok[:max(first, 1)][-256:]  # a plain text is all reply: start it from its first token
         model.setup_caches(1, len(prompt) + max_new_tokens + drafter.headroom + 1)
         toks, stats = generate(model, prompt, max_new_tokens, stop_ids, draft=drafter, temperature=0)
         new += len(toks) - 1

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import train
 from conftest import ROOT, make_tiny_model
-from eagle_head import EagleHead, head_config_from_target, load_head
-from generate import load_model
+from eagle_head import EagleHead, head_config_from_target, load_head, random_head
+from generate import Drafter, load_model
 from tokenizer import apply_chat_template
 
 # subprocess runs: one thread each, so two runs of the same computation are bit-identical
@@ -206,6 +206,7 @@ def test_eagle_loss_decreases_when_training_on_a_fixed_batch():
         tok = torch.randint(0, 96, (n,), generator=g)
         seqs.append((tok, target_features(target, tok), torch.ones(n, dtype=torch.uint8)))
     batch = train.make_batch(seqs)
+    target.requires_grad_(False)  # as fit() does
     head = tiny_head(target)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses, accs = [], []
@@ -218,31 +219,53 @@ def test_eagle_loss_decreases_when_training_on_a_fixed_batch():
         accs.append(correct.item() / count.item())
     assert count == batch[3].sum()
     assert losses[-1] < 0.5 * losses[0] and accs[-1] > accs[0]
-    assert not any(p.grad is not None for p in target.parameters() if p.requires_grad is False)
+    # the target's embedding and LM head are shared, not part of the head (the optimizer never moves them)
+    assert not {id(p) for p in head.parameters()} & {id(p) for p in target.parameters()}
 
 
-def test_multi_step_accuracy_step0_is_exact():
+def head_trajectory(head, tok, f0):
+    """Features that are the head's own predictions: f_{t+1} = head(f_<=t, x_<=t+1)."""
+    feats = torch.zeros(len(tok), f0.numel())
+    feats[0] = f0
+    with torch.no_grad():
+        for t in range(len(tok) - 1):
+            feats[t + 1] = train.head_forward(head, tok[1:t + 2][None], feats[None, :t + 1])[0, t]
+    return feats
+
+
+def rollout_hits(head, tok, feat, start, steps):
+    """Reference for one start: step k predicts f_{start+k+1} with the head's own predictions fed back in
+    place of the features after start, and hits when its LM-head argmax equals the true feature's."""
+    f, hits = feat[:-1].float().clone(), []
+    with torch.no_grad():
+        for k in range(steps + 1):
+            p = start + k
+            pred = train.head_forward(head, tok[1:p + 2][None], f[None, :p + 1])[0, p]
+            hits.append(int(head.lm_head(pred).argmax() == head.lm_head(feat[p + 1].float()).argmax()))
+            if k < steps:
+                f[p + 1] = pred
+    return hits
+
+
+def test_multi_step_accuracy_matches_a_direct_rollout():
     target, g = make_tiny_model(), torch.Generator().manual_seed(1)
     head = tiny_head(target, seed=3)
     seqs = []
-    for n in (30, 25, 9, 40):
+    for n in (30, 9, 40):  # the target's real features: the untrained head is mostly wrong
         tok = torch.randint(0, 96, (n,), generator=g)
         seqs.append((tok, target_features(target, tok).to(torch.bfloat16), torch.ones(n, dtype=torch.uint8)))
+    for n in (25, 32):  # the head's own trajectory, perturbed: mostly right, and feedback matters
+        tok = torch.randint(0, 96, (n,), generator=g)
+        feats = head_trajectory(head, tok, target_features(target, tok)[0])
+        seqs.append((tok, feats + 0.5 * torch.randn(feats.shape, generator=g), torch.ones(n, dtype=torch.uint8)))
     seqs.append((seqs[0][0], seqs[0][1], torch.zeros(30, dtype=torch.uint8)))  # no assistant tokens: skipped
     steps = 3
-    acc = train.multi_step_accuracy(head, seqs, steps=steps, starts_per_seq=1000)
-    hits = total = 0
-    with torch.no_grad():
-        for tok, feat, m in seqs:
-            if not m.any():
-                continue
-            pred = train.head_forward(head, tok[1:][None], feat[:-1].float()[None])[0]  # f_{t+1} from (f_t, x_{t+1})
-            agree = head.lm_head(pred).argmax(-1) == head.lm_head(feat[1:].float()).argmax(-1)
-            starts = range(len(tok) - steps - 2)  # every start that leaves room for `steps` more predictions
-            hits += agree[list(starts)].sum().item()
-            total += len(starts)
-    assert len(acc) == steps + 1 and 0 < total
-    assert acc[0] == pytest.approx(hits / total, abs=1e-12)
+    acc = train.multi_step_accuracy(head, seqs, steps=steps, starts_per_seq=1000)  # every start
+    hits = [rollout_hits(head, tok, feat, s, steps) for tok, feat, m in seqs if m.any()
+            for s in range(len(tok) - steps - 2)]  # every start that leaves room for `steps` more predictions
+    want = [sum(h[k] for h in hits) / len(hits) for k in range(steps + 1)]
+    assert acc == pytest.approx(want, abs=1e-12)
+    assert 0 < want[0] < 1 and len(set(want)) > 1  # informative numbers, not all 0 or all 1
 
 
 def test_multi_step_accuracy_is_perfect_on_the_heads_own_trajectory():
@@ -251,15 +274,21 @@ def test_multi_step_accuracy_is_perfect_on_the_heads_own_trajectory():
     target = make_tiny_model()
     head = tiny_head(target, seed=5)
     tok = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(2))
-    feats = torch.zeros(24, target.config.dim)
-    feats[0] = target_features(target, tok)[0]
-    with torch.no_grad():
-        for t in range(23):
-            feats[t + 1] = train.head_forward(head, tok[1:t + 2][None], feats[None, :t + 1])[0, t]
+    feats = head_trajectory(head, tok, target_features(target, tok)[0])
     acc = train.multi_step_accuracy(head, [(tok, feats, torch.ones(24, dtype=torch.uint8))], steps=4)
     assert acc == [1.0] * 5
     real = train.multi_step_accuracy(head, [(tok, target_features(target, tok), torch.ones(24, dtype=torch.uint8))])
     assert real[0] < 1.0  # an untrained head on the target's own features is not an oracle
+
+
+def test_validation_tau_on_chats_and_plain_texts():
+    target = make_tiny_model()
+    head = random_head(target)
+    tok = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
+    chat = torch.tensor([0] * 5 + [1] * 15, dtype=torch.uint8)
+    for mask in (chat, torch.ones(20, dtype=torch.uint8)):  # a plain text is masked from its first token
+        tau = train.validation_tau(head, target, [(tok, None, mask)], set(), max_new_tokens=24)
+        assert 1.0 <= tau <= Drafter(head).depth + 1
 
 
 # ---------------------------------------------------------------- fit end to end, tiny target
@@ -363,23 +392,21 @@ def test_fit_writes_a_loadable_head_summary_and_state(tiny_run, tmp_path):
 
 
 def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tmp_path):
-    args = ["--epochs", "10", "--batch_size", "4", "--save_every", "2", "--warmup", "5", "--no_eval"]
-    total = 10 * (N_TRAIN // 4)
+    args = ["--epochs", "20", "--batch_size", "4", "--save_every", "2", "--warmup", "5", "--no_eval"]
+    total = 20 * (N_TRAIN // 4)
     full = fresh_run(tiny_run, tmp_path, "full")
     run_fit(full, *args)
 
     out = fresh_run(tiny_run, tmp_path, "killed")
-    state_path, killed_at = out / "train_state.pt", None
+    state_path = out / "train_state.pt"
     proc = subprocess.Popen([sys.executable, "train.py", "fit", "--out", str(out), *args], cwd=ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while proc.poll() is None and time.time() < deadline:
-            if state_path.is_file():  # written with os.replace: never seen half-written
-                killed_at = torch.load(state_path, weights_only=True)["step"]
-                if killed_at >= 4:
-                    proc.kill()
-                    break
+            # written with os.replace, so never seen half-written
+            if state_path.is_file() and torch.load(state_path, weights_only=True)["step"] >= 4:
+                break
             time.sleep(0.01)
     finally:
         proc.kill()
