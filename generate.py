@@ -355,6 +355,7 @@ def build_parser():
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="KV cache length (default: prompt + max_new_tokens, rounded up; 2048 interactive)")
     p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-turn ids (for timing)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=1.0)
@@ -470,7 +471,7 @@ def main(argv=None):
     if tokenizer.vocab_size > model.config.vocab_size:
         die(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
     print(f"Loaded {checkpoint} ({args.dtype}) in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-    stop_ids = set(config.get("stop_token_ids", []))
+    stop_ids = set() if args.ignore_eos else set(config.get("stop_token_ids", []))
     template = config.get("chat_template", "none")
     system = args.system if args.system is not None else config.get("default_system_prompt")
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
