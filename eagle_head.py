@@ -29,14 +29,19 @@ EAGLE1_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0
 
 
 class EagleHead(nn.Module):
-    def __init__(self, config: ModelArgs, bias: bool = True):
+    def __init__(self, config: ModelArgs, bias: bool = True, draft_vocab_size: int = 0):
         super().__init__()
         self.config, self.bias = config, bias
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=bias)
         self.layer = TransformerBlock(config)
         self.layer.attention_norm = nn.Identity()  # EAGLE's single layer has no input norm
+        # Reduced draft vocabulary (as in FR-Spec / EAGLE-3): drafting scores only these target token ids,
+        # the most frequent ones, so a draft step stops paying the full LM head. Verification still uses the
+        # target's full vocabulary, so output stays exact.
+        self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None)
         self.max_seq_length = -1
         self._target = None  # (embedding, lm_head) of the target, held outside the module tree
+        self._draft_weight = None
 
     def attach(self, target):
         """Share the target's embedding and LM head (frozen): the head never stores its own copies."""
@@ -46,6 +51,7 @@ class EagleHead(nn.Module):
                 raise ValueError(f"draft head {name} {getattr(self.config, name)} does not match the target's "
                                  f"{getattr(t, name)}: this head was trained for another model")
         self._target = (target.tok_embeddings, target.output)
+        self._slice_draft_weight()
         return self
 
     def embed(self, tokens):
@@ -53,6 +59,28 @@ class EagleHead(nn.Module):
 
     def lm_head(self, hidden):
         return self._target[1](hidden)
+
+    def draft_logits(self, hidden):
+        """Logits over the draft vocabulary: (..., len(draft_vocab)), or the full vocabulary without one.
+        Map indices back to target ids with to_target()."""
+        if self.draft_vocab is None:
+            return self.lm_head(hidden)
+        return F.linear(hidden.to(self._draft_weight.dtype), self._draft_weight)
+
+    def to_target(self, draft_ids):
+        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+    def set_draft_vocab(self, token_ids):
+        """Restrict drafting to these target token ids (None: the full vocabulary)."""
+        self.draft_vocab = None if token_ids is None else torch.as_tensor(token_ids, dtype=torch.long,
+                                                                           device=self.fc.weight.device)
+        self._slice_draft_weight()
+
+    def _slice_draft_weight(self):
+        # the LM head rows of the draft vocabulary, cut once here rather than inside the compiled draft step
+        self._draft_weight = None
+        if self.draft_vocab is not None and self._target is not None:
+            self._draft_weight = self._target[1].weight.detach()[self.draft_vocab]
 
     def setup_caches(self, max_seq_length: int):
         if self.max_seq_length == max_seq_length:
@@ -135,8 +163,9 @@ def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):
     as indices into [root] + nodes (so 0 is the root), depth-sorted, N = total_tokens."""
     K, device = top_k, h_root.device
     S = head.max_seq_length
-    logp = F.log_softmax(head.lm_head(h_root).float(), -1)
+    logp = F.log_softmax(head.draft_logits(h_root).float(), -1)
     scores, tokens = logp.topk(K)  # depth 1, (K,)
+    tokens = head.to_target(tokens)
     pool_tokens, pool_scores = [tokens], [scores]
     pool_parents = [torch.zeros(K, dtype=torch.long, device=device)]
     pool_depth = [torch.ones(K, device=device)]
@@ -150,8 +179,9 @@ def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):
         mask = tree_attention_mask(L, S, seen)
         out = head(frontier_tok[None].int(), frontier_h[None], L + d * K + torch.arange(K, device=device), mask,
                    rope_pos=(L + d).expand(K))[0]  # (K, dim)
-        logp = F.log_softmax(head.lm_head(out).float(), -1)
+        logp = F.log_softmax(head.draft_logits(out).float(), -1)
         child_logp, child_tok = logp.topk(K)  # (K, K)
+        child_tok = head.to_target(child_tok)
         cand_score = (frontier_score[:, None] + child_logp).flatten()
         base = 1 + K + d * K * K
         pool_tokens.append(child_tok.flatten())
@@ -213,7 +243,7 @@ def draft_static(head, h_root, L, tree: StaticTree):
             out = head(tokens[level][None].int(), hidden[tree.parents[level]][None], L + tree.slots[d - 1], mask,
                        rope_pos=(L + d - 1).expand(len(level)))[0]
             hidden = hidden.index_copy(0, level, out)
-        top = head.lm_head(hidden[level]).topk(tree.width, dim=-1).indices  # (len(level), width)
+        top = head.to_target(head.draft_logits(hidden[level]).topk(tree.width, dim=-1).indices)  # (len(level), width)
         kids = tree.children[d]
         row = (tree.parents[kids][:, None] == level[None, :]).int().argmax(-1)  # which expanded node is the parent
         tokens = tokens.index_copy(0, kids, top[row, tree.ranks[kids]])
@@ -235,7 +265,8 @@ def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {**head.config.to_dict(), "bias": head.bias, "target": target_info, **(extra or {})}
+    config = {**head.config.to_dict(), "bias": head.bias, "target": target_info,
+              "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab), **(extra or {})}
     for name, write in ((HEAD_FILE, lambda p: save_file({k: v.contiguous() for k, v in head.state_dict().items()}, p)),
                         (HEAD_CONFIG, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))):
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.")
@@ -251,11 +282,17 @@ def target_info(target) -> dict:
             "n_local_heads": c.n_local_heads, "name": getattr(target, "name", None)}
 
 
-def load_head(path, target, device="cpu", dtype=torch.float32) -> EagleHead:
+def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None) -> EagleHead:
     """Loads a head from the project layout (head_config.json) or the official EAGLE-1 layout (config.json +
     pytorch_model.bin / model.safetensors), checks it fits the target, and attaches the target's embedding
-    and LM head. Raises ValueError / FileNotFoundError with a clear message."""
+    and LM head. Raises ValueError / FileNotFoundError with a clear message. A quantized head (quantize.py
+    --draft) is asked for by quantization="int8" / "int4.g32" or by its file's path, e.g. DIR/head_int8.safetensors."""
     path = Path(path)
+    weights_file = f"head_{quantization}.safetensors" if quantization else HEAD_FILE
+    if path.is_file():
+        path, weights_file = path.parent, path.name
+    if not dtype.is_floating_point:  # the caller passed an int8 embedding's dtype: use the target's activations'
+        dtype = target.norm.weight.dtype
     if not path.is_dir():
         raise FileNotFoundError(f"draft head directory not found: {path}")
     if (path / HEAD_CONFIG).is_file():
@@ -267,13 +304,19 @@ def load_head(path, target, device="cpu", dtype=torch.float32) -> EagleHead:
             if name in want and want[name] != getattr(target.config, name):
                 raise ValueError(f"draft head was trained for a target with {name}={want[name]}, "
                                  f"but this target has {name}={getattr(target.config, name)}")
-        weights = _load_weights(path / HEAD_FILE)
+        weights = _load_weights(path / weights_file)
         bias = config.get("bias", True)
+    elif (path / "config.json").is_file() and weights_file != HEAD_FILE:
+        raise ValueError(f"{path}: choosing a head file (a quantized head) needs the project layout (head_config.json)")
     elif (path / "config.json").is_file():
         args, bias, weights = _official_head(path, target)
     else:
         raise FileNotFoundError(f"{path} has neither {HEAD_CONFIG} (project layout) nor config.json (official EAGLE)")
-    head = EagleHead(args, bias=bias)
+    head = EagleHead(args, bias=bias, draft_vocab_size=len(weights.get("draft_vocab", ())))
+    quantized = any(k.endswith(".scales") for k in weights)
+    if quantized:  # written by quantize.py: swap in the modules its tensors call for
+        from quantize import swap_modules
+        swap_modules(head, weights)
     expected = head.state_dict()
     missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
     if missing or unexpected:
@@ -281,8 +324,15 @@ def load_head(path, target, device="cpu", dtype=torch.float32) -> EagleHead:
     for k, v in weights.items():
         if v.shape != expected[k].shape:
             raise ValueError(f"draft head {path}: {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
-    head.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
-    return head.to(device).eval().attach(target)
+    if "draft_vocab" in weights and not 0 <= int(weights["draft_vocab"].min()) <= int(weights["draft_vocab"].max()) \
+            < target.config.vocab_size:
+        raise ValueError(f"draft head {path}: draft_vocab holds ids outside the target's vocabulary")
+    head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
+    head = head.to(device).eval()
+    if quantized:  # on its device first: int4 packs for that device's kernel
+        from quantize import prepare
+        prepare(head, dtype)
+    return head.attach(target)
 
 
 def _read_json(path):

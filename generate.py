@@ -297,8 +297,10 @@ def load_state_dict_strict(module, state_dict, what):
     module.load_state_dict(state_dict, strict=False, assign=True)
 
 
-def load_model(checkpoint_dir, device="cpu", dtype=torch.float32):
-    """A Transformer with the checkpoint's weights in `dtype` on `device`, in eval mode."""
+def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=None):
+    """A Transformer with the checkpoint's weights in `dtype` on `device`, in eval mode. quantization: None for
+    the float weights, or the name of a quantized variant quantize.py wrote ("int8", "int4.g32", ...); then the
+    file's tensors decide the module swaps, and `dtype` is that of the activations, scales and float weights."""
     config = read_config(checkpoint_dir)
     try:
         args = ModelArgs.from_json(Path(checkpoint_dir) / "config.json")
@@ -306,6 +308,11 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32):
         raise CheckpointError(f"bad model config in {checkpoint_dir}: {e}") from None
     with torch.device("meta"):
         model = Transformer(args)
+    if quantization is not None:
+        from quantize import load_quantized
+        load_quantized(model, checkpoint_dir, config, quantization, device, dtype)
+        model.checkpoint_config = config
+        return model.eval()
     weights = load_safetensors(Path(checkpoint_dir) / "model.safetensors")
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     load_state_dict_strict(model, weights, f"checkpoint {checkpoint_dir}")
@@ -361,6 +368,9 @@ def build_parser():
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--quant", default=None,
+                   help="load a quantized variant written by quantize.py: int8, int4.g32 (g64, g128, g256), with "
+                        ".head8 when the LM head is int8 too (default: the float weights)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile the decode step (static shapes, fullgraph)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
@@ -462,7 +472,7 @@ def main(argv=None):
     try:
         checkpoint = args.checkpoint or default_checkpoint()
         t0 = time.perf_counter()
-        model = load_model(checkpoint, device, dtype)
+        model = load_model(checkpoint, device, dtype, quantization=args.quant)
         tokenizer = get_tokenizer(checkpoint)
         drafter = load_drafter(args, model, Path(checkpoint).resolve())
     except (CheckpointError, FileNotFoundError, ValueError) as e:
@@ -470,7 +480,8 @@ def main(argv=None):
     config = model.checkpoint_config
     if tokenizer.vocab_size > model.config.vocab_size:
         die(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
-    print(f"Loaded {checkpoint} ({args.dtype}) in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    print(f"Loaded {checkpoint} ({args.dtype}{', ' + args.quant if args.quant else ''}) "
+          f"in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     stop_ids = set() if args.ignore_eos else set(config.get("stop_token_ids", []))
     template = config.get("chat_template", "none")
     system = args.system if args.system is not None else config.get("default_system_prompt")

@@ -470,6 +470,38 @@ def fit(args):
         dist.destroy_process_group()
 
 
+def frequent_tokens(seqs, size):
+    """The `size` target ids that appear most often among the assistant (loss) tokens of seqs."""
+    counts = torch.zeros(max(int(t.max()) for t, _, _ in seqs) + 1, dtype=torch.long)
+    for tok, _, m in seqs:
+        counts.index_add_(0, tok[m.bool()], torch.ones(int(m.sum()), dtype=torch.long))
+    return counts.topk(min(size, len(counts))).indices.sort().values
+
+
+def set_vocab(args):
+    """Give a trained head a reduced draft vocabulary counted on its training data; reports the share of
+    held-out assistant tokens it covers (a draft can only ever propose covered tokens)."""
+    from eagle_head import load_head
+    out = Path(args.out)
+    head_dir = Path(args.head) if args.head else out / "head"
+    train_seqs, val_seqs = load_features(out)
+    extract_meta = json.loads((out / "extract_config.json").read_text()) if (out / "extract_config.json").is_file() else {}
+    target = load_model(Path(args.checkpoint or extract_meta.get("checkpoint") or default_checkpoint()))
+    head = load_head(head_dir, target)
+    config = json.loads((head_dir / "head_config.json").read_text())
+    vocab = frequent_tokens(train_seqs, args.size) if args.size else None
+    head.set_draft_vocab(vocab)
+    if vocab is not None and val_seqs:
+        inside = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+        inside[vocab] = True
+        val_tokens = torch.cat([tok[m.bool()] for tok, _, m in val_seqs])
+        print(f"draft vocabulary of {len(vocab)} tokens covers {inside[val_tokens].float().mean():.1%} of held-out "
+              f"assistant tokens", file=sys.stderr)
+    extra = {k: v for k, v in config.items() if k not in head.config.to_dict() and k not in
+             ("bias", "target", "draft_vocab_size")}
+    save_head(head, head_dir, config.get("target", target_info(target)), extra)
+
+
 # ---------------------------------------------------------------- command line
 
 def main(argv=None):
@@ -506,9 +538,14 @@ def main(argv=None):
     f.add_argument("--eval_seqs", type=int, default=16)
     f.add_argument("--eval_prompts", type=int, default=4, help="held-out prompts for the final tau")
     f.add_argument("--no_eval", action="store_true")
+    v = sub.add_parser("vocab", help="restrict the head's drafting to the most frequent target tokens")
+    v.add_argument("--out", required=True, help="run directory with feature shards")
+    v.add_argument("--head", default=None, help="head directory to update (default: OUT/head)")
+    v.add_argument("--size", type=int, default=8192, help="draft vocabulary size (0: the full vocabulary)")
+    v.add_argument("--checkpoint", default=None)
     args = p.parse_args(argv)
     try:
-        extract(args) if args.command == "extract" else fit(args)
+        {"extract": extract, "fit": fit, "vocab": set_vocab}[args.command](args)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         die(e)
 

@@ -306,3 +306,29 @@ def test_compiled_draft_and_verify_steps_match_eager(monkeypatch):
     model.setup_caches(1, 96)
     compiled, stats = generate(model, prompt, 40, temperature=0, draft=drafter)
     assert compiled == eager and stats == eager_stats
+
+
+def test_reduced_draft_vocabulary_stays_exact_and_round_trips(tmp_path):
+    model = make_tiny_model()
+    head = random_head(model, seed=6)
+    vocab = torch.tensor([1, 5, 9, 20, 33, 40, 41, 42, 60, 70])
+    head.set_draft_vocab(vocab)
+    for kind, kw in TREES:
+        spy = []
+        drafter = Drafter(head, kind, **kw)
+        original = drafter.draft
+        drafter.draft = lambda h_root, L, f=original: spy.append(f(h_root, L)) or spy[-1]
+        plain, spec, _ = plain_and_spec(model, drafter, torch.tensor([1, 2, 3, 4], dtype=torch.int), 40, 128)
+        assert spec == plain
+        drafted = torch.cat([t for t, _ in spy])
+        assert torch.isin(drafted, vocab).all()  # drafts come only from the draft vocabulary
+    save_head(head, tmp_path / "h", target_info(model))
+    loaded = load_head(tmp_path / "h", model)
+    assert torch.equal(loaded.draft_vocab, vocab)
+    assert json.loads((tmp_path / "h" / "head_config.json").read_text())["draft_vocab_size"] == 10
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(tmp_path / "h" / "head.safetensors"))
+    weights["draft_vocab"] = torch.tensor([1, 2, 500])
+    save_file(weights, str(tmp_path / "h" / "head.safetensors"))
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        load_head(tmp_path / "h", model)

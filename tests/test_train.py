@@ -466,3 +466,9 @@ def test_help_lists_the_options(capsys):
         text = capsys.readouterr().out
         assert e.value.code == 0
         assert all(o in text for o in options), [o for o in options if o not in text]
+
+
+def test_frequent_tokens_counts_assistant_tokens_only():
+    seqs = [(torch.tensor([1, 2, 2, 3, 3, 3]), None, torch.tensor([0, 1, 1, 0, 0, 0], dtype=torch.uint8)),
+            (torch.tensor([4, 4, 2, 5]), None, torch.tensor([1, 1, 1, 0], dtype=torch.uint8))]
+    assert train.frequent_tokens(seqs, 2).tolist() == [2, 4]  # 3 is frequent but never an assistant token

@@ -1,0 +1,484 @@
+"""Weight-only int8 and int4 quantization of a checkpoint or an EAGLE head, in the style of gpt-fast.
+
+    python quantize.py --mode int8                                     # the default model
+    python quantize.py --checkpoint checkpoints/MyModel --mode int4 --groupsize 32
+    python quantize.py --checkpoint checkpoints/MyModel --mode int4 --quantize_head
+    python quantize.py --draft heads/my-head --mode int8               # an EAGLE head (project layout)
+    python generate.py --quant int4.g32 --dtype bfloat16 --compile     # load the quantized weights
+
+The quantized weights go beside the float ones, which keep loading as float unless --quant asks otherwise.
+A variant's name says what it holds; its file and an entry in config.json ("quantized": {name: {...}}) record it:
+
+    int8             model_int8.safetensors            Linear layers of the blocks (wqkv, wo, w1, w2, w3) in int8
+    int4.g32         model_int4.g32.safetensors        the same layers in int4, groups of 32 (or 64, 128, 256)
+    int8.head8       model_int8.head8.safetensors      ... and the LM head (and a tied embedding) in int8
+    int4.g32.head8   model_int4.g32.head8.safetensors
+    heads:           head_int8.safetensors, head_int4.g32.safetensors, listed in head_config.json
+
+File format (portable: packing for a kernel happens at load time, so a file does not depend on torch's layout):
+    int8  NAME.weight int8 [N, K], NAME.scales float32 [N]:             w = weight * scale (per output channel)
+    int4  NAME.weight uint8 [N, K/2], column 2j in the low nibble, 2j+1 in the high one, q in 0..15;
+          NAME.scales, NAME.zeros float32 [N, K/groupsize]:              w = (q - 8) * scale + zero (per group)
+          With --pad, a K the group size does not divide is stored zero-padded up to a multiple of it.
+The loader swaps in the quantized modules that the tensors call for (a .zeros tensor means int4, a .scales
+tensor alone int8), so nothing but the file decides how it is run.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ("int8", "int4")
+GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
+
+
+class QuantizeError(ValueError):
+    """Bad input, with a one-line message (the command line prints it and exits 2)."""
+
+
+# ---------------------------------------------------------------- quantize and dequantize tensors
+
+def quantize_int8(w):
+    """Symmetric per output channel: w[n] ~ q[n] * scales[n], q in -127..127 (-128 unused, to stay symmetric).
+    Error per weight is at most scales[n] / 2."""
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # in place: 100M+ weights on 2 cores
+    return q, scales
+
+
+def dequantize_int8(q, scales):
+    return q.float() * scales.float()[:, None]
+
+
+def quantize_int4(w, groupsize: int):
+    """Affine per group of `groupsize` input columns: q in 0..15 spans the group's [min, max], so the error per
+    weight is at most that group's scale / 2. The zero is stored as min + 8 * scale because torch's int4 kernels
+    compute (q - 8) * scale + zero (checked numerically in tests/test_quantize.py and at every load)."""
+    N, K = w.shape
+    if K % groupsize:
+        raise QuantizeError(f"groupsize {groupsize} does not divide the input dim {K}")
+    g = w.float().reshape(N, K // groupsize, groupsize)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = (hi - lo).clamp(min=1e-8) / 15
+    q = (g - lo[..., None]).div_(scales[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return q.reshape(N, K), scales, lo + 8 * scales
+
+
+def dequantize_int4(q, scales, zeros):
+    """q [N, K] in 0..15, scales and zeros [N, K/groupsize] -> float weights [N, K] (in the scales' dtype)."""
+    N, K = q.shape
+    g = q.reshape(N, scales.shape[1], -1).to(scales.dtype) - 8
+    return (g * scales[..., None] + zeros[..., None]).reshape(N, K)
+
+
+def pack_nibbles(q):
+    """[N, K] values in 0..15 -> uint8 [N, K/2]: column 2j in the low nibble, 2j+1 in the high one."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed):
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+# ---------------------------------------------------------------- modules
+
+class Int8Linear(nn.Module):
+    """y = (x @ q.T) * scales (+ bias). Written this way, Inductor turns it into one _weight_int8pack_mm call
+    that reads 1 byte a weight; eager runs the plain (slower) ops."""
+
+    def __init__(self, in_features, out_features, bias=False, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding of int8 rows with a scale per row. With tied embeddings the LM head (an Int8Linear) holds
+    the very same tensors, so the vocabulary is stored once, at 1 byte a weight."""
+
+    def __init__(self, num_embeddings, embedding_dim, device=None):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(num_embeddings, device=device))
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight).to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
+
+
+class Int4Linear(nn.Module):
+    """Grouped affine int4: w = (q - 8) * scale + zero per group of `groupsize` input columns.
+
+    It holds the file form (nibbles, scales, zeros) until prepare() readies it for the weight's device: packed
+    for torch's kernel (_weight_int4pack_mm_for_cpu on CPU, _weight_int4pack_mm on CUDA), or, where that kernel is
+    missing, rejects the shapes or disagrees with plain dequantization, kept as is and dequantized in every
+    forward (correct, slow). Move it to its device before prepare(), and save it only before.
+    An input dim the group size does not divide is stored zero-padded to a multiple of it (quantize --pad)."""
+
+    def __init__(self, in_features, out_features, groupsize, bias=False, device=None):
+        super().__init__()
+        if groupsize not in GROUPSIZES:
+            raise QuantizeError(f"int4 groupsize must be one of {GROUPSIZES}, got {groupsize}")
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        self.padded = -(-in_features // groupsize) * groupsize
+        G = self.padded // groupsize
+        self.register_buffer("weight", torch.zeros(out_features, self.padded // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, G, device=device))
+        self.register_buffer("zeros", torch.zeros(out_features, G, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        self.layout = "file"  # then "cpu" or "cuda" (packed for that kernel) or "dequant" (the fallback)
+
+    def dequantize(self):
+        assert self.layout in ("file", "dequant"), "the packed layout cannot be dequantized"
+        return dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)[:, :self.in_features]
+
+    def forward(self, x):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.layout in ("file", "dequant"):
+            y = F.linear(x2, self.dequantize().to(x.dtype))
+        else:
+            if self.padded > self.in_features:  # zero columns of x meet the padding columns of the weight
+                x2 = F.pad(x2, (0, self.padded - self.in_features))
+            # both kernels run in bf16: CUDA's takes nothing else, and the CPU one, which in torch 2.13 also takes
+            # fp32 with fp32 scales, ran a 256-token forward of the default model 10-50x slower in fp32 than in bf16
+            if self.layout == "cpu":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.weight, self.groupsize,
+                                                                self.scales_and_zeros)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.weight, self.groupsize,
+                                                       self.scales_and_zeros)
+        y = y.to(x.dtype).reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def prepare(self, dtype, use_kernel=True):
+        """Scales in `dtype`, weights packed for this device's kernel. Returns None, or why it fell back."""
+        self.scales, self.zeros = self.scales.to(dtype), self.zeros.to(dtype)
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype)
+        self.layout = "dequant"
+        if not use_kernel:
+            return "not asked for"
+        device, saved = self.weight.device.type, self.weight
+        try:
+            packed, sz = _pack_int4(unpack_nibbles(saved), self.scales, self.zeros, device)
+            # a few inputs through the kernel vs plain dequantization of 16 rows spread over the weight: catches a
+            # kernel whose layout or zero-point convention is not this file's (off by about the output's own size).
+            # x has a non-zero mean: a zero point off by c * scale shifts y by c * scale * sum(x) per group
+            x = (0.5 + torch.sin(torch.arange(4 * self.in_features, device=saved.device))).view(4, -1).to(dtype)
+            rows = torch.arange(0, self.out_features, max(1, self.out_features // 16), device=saved.device)
+            w = dequantize_int4(unpack_nibbles(saved[rows]), self.scales[rows], self.zeros[rows])
+            ref = x.float() @ w[:, :self.in_features].float().t()
+            self.layout, self.weight = device, packed
+            self.register_buffer("scales_and_zeros", sz)
+            err = (self.forward(x)[:, rows].float() - ref).abs().max().item()
+            why = (None if err <= 0.05 * ref.abs().max().item() + 1e-3 else
+                   f"the {device} int4 kernel disagrees with dequantization (max error {err:.3g})")
+        except Exception as e:  # a missing op (AttributeError), shapes or dtypes it rejects (RuntimeError), ...
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        if why is not None:
+            self.layout, self.weight = "dequant", saved
+            self._buffers.pop("scales_and_zeros", None)
+            return why
+        del self.scales, self.zeros  # the packed form holds them; keeping both would cost memory
+        return None
+
+
+def _pack_int4(q, scales, zeros, device):
+    """q [N, K] 0..15 -> (the kernel's packed weight, scales_and_zeros [K/groupsize, N, 2]) for `device`."""
+    K = q.shape[1]
+    tiles = next((t for t in (8, 4, 2) if K % (16 * t) == 0), 1)  # innerKTiles: CUDA needs K % (16 * tiles) == 0
+    sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    if device == "cpu":  # int32 [N, K] in, uint8 [N, K/2] in the kernel's own order out; needs N % 16 == 0
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), tiles), sz
+    if device == "cuda":  # uint8 [N, K/2] in, even column in the HIGH nibble (not this file's order)
+        q = q.to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(q[:, 0::2] << 4 | q[:, 1::2], tiles), sz
+    raise NotImplementedError(f"no int4 kernel for device {device}")
+
+
+# ---------------------------------------------------------------- swapping modules
+
+def linear_layers(model):
+    """The Linear layers quantized: all but the LM head, i.e. a Transformer's wqkv, wo, w1, w2, w3 in every block,
+    or an EAGLE head's fc and its decoder layer's (the EAGLE head's embedding and LM head are the target's)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "output"]
+
+
+def _set_module(root, name, module):
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, module)
+
+
+def check_groupsize(model, groupsize):
+    """Refuse (one line, listing the layers) when the group size does not divide every layer's input dim, unless
+    asked to pad: SmolLM2's dim 576 is a multiple of 32 and 64 only. Padding stores (and reads) the padded columns
+    (576 -> 640 at g128, +11%; -> 768 at g256, +33%) and copies each input into a zero-padded one."""
+    bad = {}
+    for name, m in linear_layers(model):
+        if m.in_features % groupsize:
+            bad[re.sub(r"\.\d+\.", ".*.", name)] = m.in_features
+    if bad:
+        dims = {m.in_features for _, m in linear_layers(model)}
+        fits = [g for g in GROUPSIZES if all(d % g == 0 for d in dims)]
+        raise QuantizeError(f"--groupsize {groupsize} does not divide the input dim of "
+                            f"{', '.join(f'{n} ({d})' for n, d in bad.items())}; group sizes that fit every layer: "
+                            f"{', '.join(map(str, fits)) or 'none'} (or zero-pad those layers with --pad)")
+
+
+def quantize_model(model, mode, groupsize=None, quantize_head=False, pad=False):
+    """Swap the float Linear layers for quantized ones, in place (file form: call prepare() before running).
+    quantize_head: the LM head in int8 too; with tied embeddings the embedding becomes the same int8 table.
+    pad: zero-pad input dims the int4 group size does not divide (else that is refused)."""
+    if mode not in MODES:
+        raise QuantizeError(f"unknown mode {mode!r}; choose int8 or int4")
+    if mode == "int4" and not pad:
+        check_groupsize(model, groupsize)
+    for name, lin in linear_layers(model):
+        w, device, has_bias = lin.weight.detach(), lin.weight.device, lin.bias is not None
+        if mode == "int8":
+            new = Int8Linear(lin.in_features, lin.out_features, has_bias, device)
+            new.weight, new.scales = quantize_int8(w)
+        else:
+            new = Int4Linear(lin.in_features, lin.out_features, groupsize, has_bias, device)
+            q, new.scales, new.zeros = quantize_int4(F.pad(w, (0, new.padded - lin.in_features)), groupsize)
+            new.weight = pack_nibbles(q)
+        if has_bias:
+            new.bias = lin.bias.detach().float()
+        _set_module(model, name, new)
+    if quantize_head:
+        # int8 whatever the mode: the logits decide every greedy token and every verification, and int8 per row is
+        # what also serves the embedding lookup (llama.cpp's Q4 files likewise keep the embedding at 8 bits)
+        out = model.output
+        head = Int8Linear(out.in_features, out.out_features, device=out.weight.device)
+        head.weight, head.scales = quantize_int8(out.weight.detach())
+        if model.config.tie_embeddings:
+            emb = Int8Embedding(*head.weight.shape, device=head.weight.device)
+            emb.weight, emb.scales = head.weight, head.scales
+            model.tok_embeddings = emb
+        model.output = head
+    return model
+
+
+def swap_modules(model, weights):
+    """Before loading a quantized file: replace each Linear / Embedding whose tensors in `weights` are quantized
+    by the empty quantized module of the same shape (on the same device, meta included)."""
+    for name, m in list(model.named_modules()):
+        if f"{name}.scales" not in weights:
+            continue
+        device = m.weight.device
+        if isinstance(m, nn.Linear) and f"{name}.zeros" in weights:
+            # the group size follows from the (maybe padded) stored width and the number of groups
+            padded, G = 2 * weights[f"{name}.weight"].shape[-1], weights[f"{name}.zeros"].shape[-1]
+            groupsize = padded // max(G, 1)
+            if G < 1 or padded % G or groupsize not in GROUPSIZES or not 0 <= padded - m.in_features < groupsize:
+                raise QuantizeError(f"{name}: {G} groups over {padded} columns do not fit input dim {m.in_features}")
+            new = Int4Linear(m.in_features, m.out_features, groupsize, m.bias is not None, device)
+        elif isinstance(m, nn.Linear):
+            new = Int8Linear(m.in_features, m.out_features, m.bias is not None, device)
+        elif isinstance(m, nn.Embedding):
+            new = Int8Embedding(m.num_embeddings, m.embedding_dim, device)
+        else:
+            raise QuantizeError(f"{name}.scales given for a {type(m).__name__}, which cannot be quantized")
+        _set_module(model, name, new)
+    return model
+
+
+def prepare(model, dtype, use_kernel=True):
+    """Ready the quantized modules for running on their current device: scales and biases in `dtype`, int4 packed
+    for the kernel. Returns {layer name: why it fell back to dequantizing} (empty when every int4 layer packed)."""
+    cast, fallbacks = {}, {}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int8Linear, Int8Embedding)):
+            # a tied head shares its scales with the embedding: cast each tensor once, keep them shared
+            m.scales = cast.setdefault(id(m.scales), m.scales.to(dtype))
+            if getattr(m, "bias", None) is not None:
+                m.bias = m.bias.to(dtype)
+        elif isinstance(m, Int4Linear) and m.layout == "file":
+            if (why := m.prepare(dtype, use_kernel)) is not None:
+                fallbacks[name] = why
+    if fallbacks and use_kernel:
+        first = next(iter(fallbacks.items()))
+        print(f"int4: {len(fallbacks)} layers run without the packed kernel (e.g. {first[0]}: {first[1]}); "
+              f"they dequantize in every forward instead (same weights, slower)", file=sys.stderr)
+    return fallbacks
+
+
+# ---------------------------------------------------------------- names, files and loading
+
+def quant_name(mode, groupsize=None, quantize_head=False):
+    return mode + (f".g{groupsize}" if mode == "int4" else "") + (".head8" if quantize_head else "")
+
+
+def parse_name(name):
+    """'int4.g32.head8' -> ('int4', 32, True); a one-line QuantizeError for anything else."""
+    m = re.fullmatch(r"(int8|int4\.g(\d+))(\.head8)?", name)
+    if not m or (m.group(2) and int(m.group(2)) not in GROUPSIZES):
+        raise QuantizeError(f"unknown quantization {name!r}: expected int8 or int4.g32 (g64, g128, g256), "
+                            f"optionally followed by .head8")
+    return m.group(1)[:4], int(m.group(2)) if m.group(2) else None, bool(m.group(3))
+
+
+def quantized_file(checkpoint_dir, config, name) -> Path:
+    """The file holding variant `name` of a checkpoint (config.json's "quantized" entry, else the naming rule)."""
+    from generate import CheckpointError
+    try:
+        mode, groupsize, head = parse_name(name)
+    except QuantizeError as e:
+        raise CheckpointError(str(e)) from None
+    entry = config.get("quantized", {}).get(name)
+    path = Path(checkpoint_dir) / (entry["file"] if entry else f"model_{name}.safetensors")
+    if not path.is_file():
+        have = ", ".join(config.get("quantized", {})) or "none"
+        make = f"--mode {mode}" + (f" --groupsize {groupsize}" if groupsize else "")
+        make += " --quantize_head" if head else ""
+        raise CheckpointError(f"{checkpoint_dir} has no {name} weights ({path.name}; quantized there: {have}); "
+                              f"make them with: python quantize.py --checkpoint {checkpoint_dir} {make}")
+    return path
+
+
+def load_quantized(model, checkpoint_dir, config, name, device, dtype):
+    """Fill `model` (a Transformer built on the meta device) from the quantized variant `name` of a checkpoint."""
+    from generate import CheckpointError, load_safetensors, load_state_dict_strict
+    path = quantized_file(checkpoint_dir, config, name)
+    weights = load_safetensors(path)
+    weights = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in weights.items()}
+    if model.config.tie_embeddings:  # stored once, under the embedding's names
+        for k in ("weight", "scales"):
+            if f"tok_embeddings.{k}" in weights and f"output.{k}" not in weights:
+                weights[f"output.{k}"] = weights[f"tok_embeddings.{k}"]
+    try:
+        swap_modules(model, weights)
+    except QuantizeError as e:
+        raise CheckpointError(f"quantized checkpoint {path}: {e}") from None
+    mode, groupsize, _ = parse_name(name)
+    held = {(type(m).__name__, getattr(m, "groupsize", None)) for n, m in model.named_modules()
+            if isinstance(m, (Int8Linear, Int4Linear)) and n != "output"}
+    if held != ({("Int8Linear", None)} if mode == "int8" else {("Int4Linear", groupsize)}):
+        raise CheckpointError(f"{path} does not hold {name} weights (it holds {sorted(held, key=str) or 'float'})")
+    load_state_dict_strict(model, weights, f"quantized checkpoint {path}")
+    if model.config.tie_embeddings:  # one tensor, not two copies
+        model.output.weight = model.tok_embeddings.weight
+        if isinstance(model.tok_embeddings, Int8Embedding):
+            model.output.scales = model.tok_embeddings.scales
+    prepare(model, dtype)
+    return model
+
+
+def _write_atomic(path, write):
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        if os.path.exists(path):  # a rewritten config.json keeps its permissions (mkstemp's are 0600)
+            os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _save(module, path, entry, drop=()):
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in module.state_dict().items() if k not in drop}
+    _write_atomic(path, lambda p: save_file(state, p, metadata={"quantization": json.dumps(entry)}))
+
+
+def _add_entry(config_path, config, name, entry):
+    config.setdefault("quantized", {})[name] = entry
+    _write_atomic(config_path, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def quantize_checkpoint(checkpoint_dir, mode, groupsize=None, quantize_head=False, pad=False) -> Path:
+    """Write model_<name>.safetensors beside a checkpoint's float weights and list it in its config.json."""
+    from generate import load_model, read_config
+    checkpoint_dir = Path(checkpoint_dir)
+    config = read_config(checkpoint_dir)
+    model = quantize_model(load_model(checkpoint_dir, "cpu", torch.float32), mode, groupsize, quantize_head, pad)
+    name = quant_name(mode, groupsize, quantize_head)
+    padded = sum(isinstance(m, Int4Linear) and m.padded > m.in_features for m in model.modules())
+    entry = {"mode": mode, "groupsize": groupsize, "head": "int8" if quantize_head else None,
+             "padded_layers": padded, "file": f"model_{name}.safetensors"}
+    tied = {"output.weight", "output.scales"} if model.config.tie_embeddings else set()
+    _save(model, checkpoint_dir / entry["file"], entry, drop=tied)
+    _add_entry(checkpoint_dir / "config.json", config, name, entry)
+    return checkpoint_dir / entry["file"]
+
+
+def quantize_head_dir(head_dir, mode, groupsize=None, pad=False) -> Path:
+    """Write head_<name>.safetensors beside a project-layout EAGLE head and list it in its head_config.json."""
+    from dataclasses import fields
+    from eagle_head import HEAD_CONFIG, HEAD_FILE, EagleHead, _load_weights, _read_json
+    from model import ModelArgs
+    head_dir = Path(head_dir)
+    if not (head_dir / HEAD_CONFIG).is_file():
+        raise QuantizeError(f"{head_dir} is not a project-layout head directory (no {HEAD_CONFIG})")
+    config = _read_json(head_dir / HEAD_CONFIG)
+    known = {f.name for f in fields(ModelArgs)}
+    weights = _load_weights(head_dir / HEAD_FILE)
+    extra = {"draft_vocab_size": len(weights["draft_vocab"])} if "draft_vocab" in weights else {}
+    args = ModelArgs(**{k: v for k, v in config.items() if k in known})
+    head = EagleHead(args, bias=config.get("bias", True), **extra)
+    try:
+        head.load_state_dict(weights)
+    except RuntimeError as e:
+        raise QuantizeError(f"{head_dir / HEAD_FILE} does not match {HEAD_CONFIG}: {str(e).splitlines()[0]}") from None
+    quantize_model(head, mode, groupsize, pad=pad)
+    name = quant_name(mode, groupsize)
+    entry = {"mode": mode, "groupsize": groupsize, "file": f"head_{name}.safetensors"}
+    _save(head, head_dir / entry["file"], entry)
+    _add_entry(head_dir / HEAD_CONFIG, config, name, entry)
+    return head_dir / entry["file"]
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory (default: the default model)")
+    p.add_argument("--draft", type=Path, default=None, help="quantize this EAGLE head directory instead")
+    p.add_argument("--mode", default="int8", help="int8 (per output channel) or int4 (grouped, affine)")
+    p.add_argument("--groupsize", type=int, default=None, help="int4 group size: 32 (default), 64, 128 or 256")
+    p.add_argument("--quantize_head", action="store_true",
+                   help="also quantize the LM head (and a tied embedding) to int8; default: keep it float")
+    p.add_argument("--pad", action="store_true",
+                   help="int4: zero-pad input dims the group size does not divide (default: refuse)")
+    args = p.parse_args(argv)
+    from generate import CheckpointError, default_checkpoint, die
+    if args.mode not in MODES:
+        die(f"unknown --mode {args.mode!r}; choose int8 or int4")
+    if args.mode == "int8" and args.groupsize is not None:
+        die("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
+    groupsize = (args.groupsize or 32) if args.mode == "int4" else None
+    if groupsize is not None and groupsize not in GROUPSIZES:
+        die(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))} (what torch's int4 kernels take), "
+            f"got {groupsize}")
+    if args.draft is not None and (args.checkpoint is not None or args.quantize_head):
+        die("--draft quantizes a head on its own: drop --checkpoint and --quantize_head")
+    try:
+        if args.draft is not None:
+            out = quantize_head_dir(args.draft, args.mode, groupsize, args.pad)
+        else:
+            out = quantize_checkpoint(args.checkpoint or default_checkpoint(), args.mode, groupsize,
+                                      args.quantize_head, args.pad)
+    except (QuantizeError, CheckpointError, FileNotFoundError, ValueError) as e:
+        die(e)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
