@@ -80,7 +80,11 @@ class EagleHead(nn.Module):
         # the LM head rows of the draft vocabulary, cut once here rather than inside the compiled draft step
         self._draft_weight = None
         if self.draft_vocab is not None and self._target is not None:
-            self._draft_weight = self._target[1].weight.detach()[self.draft_vocab]
+            lm_head = self._target[1]
+            rows = lm_head.weight.detach()[self.draft_vocab]
+            if not rows.is_floating_point():  # an int8 LM head (quantize.py --quantize_head): per-row scales
+                rows = rows.to(lm_head.scales.dtype) * lm_head.scales[self.draft_vocab, None]
+            self._draft_weight = rows
 
     def setup_caches(self, max_seq_length: int):
         if self.max_seq_length == max_seq_length:
@@ -272,6 +276,7 @@ def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.")
         os.close(fd)
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; a head is meant to be shared
         os.replace(tmp, out_dir / name)
     return out_dir
 
@@ -403,5 +408,5 @@ def random_head(target, seed=0, scale=1.0) -> EagleHead:
         for name, p in head.named_parameters():
             if not name.endswith("norm.weight"):
                 p.mul_(scale)
-    dtype = target.output.weight.dtype if target.output.weight.dtype.is_floating_point else torch.float32
+    dtype = target.norm.weight.dtype  # the activation dtype, also when the LM head is quantized
     return head.to(device=target.output.weight.device, dtype=dtype).eval().attach(target)

@@ -182,6 +182,7 @@ def atomic_save(tensors: dict, path: Path, metadata=None):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
