@@ -333,7 +333,8 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
             < target.config.vocab_size:
         raise ValueError(f"draft head {path}: draft_vocab holds ids outside the target's vocabulary")
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
-    head = head.to(device).eval()
+    # load_state_dict copies into the module's own (fp32) tensors: cast afterwards to the requested dtype
+    head = (head.to(device) if quantized else head.to(device=device, dtype=dtype)).eval()
     if quantized:  # on its device first: int4 packs for that device's kernel
         from quantize import prepare
         prepare(head, dtype)

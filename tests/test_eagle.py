@@ -332,3 +332,15 @@ def test_reduced_draft_vocabulary_stays_exact_and_round_trips(tmp_path):
     save_file(weights, str(tmp_path / "h" / "head.safetensors"))
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         load_head(tmp_path / "h", model)
+
+
+def test_head_loads_in_the_requested_dtype(tmp_path):
+    model = make_tiny_model().to(torch.bfloat16)
+    head = random_head(model)
+    head.set_draft_vocab(torch.arange(10))
+    save_head(head, tmp_path / "h", target_info(model))
+    loaded = load_head(tmp_path / "h", model, dtype=torch.bfloat16)
+    assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.draft_vocab.dtype == torch.long
+    drafter = Drafter(loaded, "dynamic", depth=3, top_k=2, total_tokens=5)
+    model.setup_caches(1, 64)
+    generate(model, torch.tensor([1, 2, 3], dtype=torch.int), 10, temperature=0, draft=drafter)  # runs in bf16
