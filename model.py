@@ -7,7 +7,7 @@ the hidden states entering chosen layers) at no cost when they are not asked for
 """
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 

@@ -19,7 +19,6 @@ noise U(-0.1, 0.1) on the input features. AdamW (0.9, 0.95), linear warm-up, gra
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from eagle_head import EagleHead, head_config_from_target, save_head, target_info
-from generate import (DEFAULT_CHECKPOINT, DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate,
+from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate,
                       load_model)
 from tokenizer import apply_chat_template, get_tokenizer
 
@@ -371,6 +370,13 @@ def batches_for_epoch(lengths, batch_size, epoch, seed):
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
+def run_checkpoint(checkpoint, out: Path) -> Path:
+    """The target a run belongs to: --checkpoint, else the one its features were extracted with."""
+    meta = out / "extract_config.json"
+    recorded = json.loads(meta.read_text()).get("checkpoint") if meta.is_file() else None
+    return Path(checkpoint or recorded or default_checkpoint())
+
+
 def fit(args):
     from tqdm import tqdm
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
@@ -382,8 +388,7 @@ def fit(args):
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     torch.manual_seed(args.seed)
     out = Path(args.out)
-    extract_meta = json.loads((out / "extract_config.json").read_text()) if (out / "extract_config.json").is_file() else {}
-    checkpoint = Path(args.checkpoint or extract_meta.get("checkpoint") or default_checkpoint())
+    checkpoint = run_checkpoint(args.checkpoint, out)
     target = load_model(checkpoint, args.device, torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
@@ -486,8 +491,7 @@ def set_vocab(args):
     out = Path(args.out)
     head_dir = Path(args.head) if args.head else out / "head"
     train_seqs, val_seqs = load_features(out)
-    extract_meta = json.loads((out / "extract_config.json").read_text()) if (out / "extract_config.json").is_file() else {}
-    target = load_model(Path(args.checkpoint or extract_meta.get("checkpoint") or default_checkpoint()))
+    target = load_model(run_checkpoint(args.checkpoint, out))
     head = load_head(head_dir, target)
     config = json.loads((head_dir / "head_config.json").read_text())
     vocab = frequent_tokens(train_seqs, args.size) if args.size else None
