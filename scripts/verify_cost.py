@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import tree_ancestors, tree_attention_mask  # noqa: E402
 from generate import DTYPES, default_checkpoint, load_model  # noqa: E402
+import model as model_module  # noqa: E402
 
 
 def main():
@@ -27,7 +28,11 @@ def main():
     p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--small_t", type=int, default=None,
+                   help="use the matmul attention up to this many query tokens (model.SMALL_T; 0 = SDPA always)")
     args = p.parse_args()
+    if args.small_t is not None:
+        model_module.SMALL_T = args.small_t
     model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype])
     S = args.prefix + max(args.sizes) + 8
     model.setup_caches(1, S)
@@ -57,6 +62,7 @@ def main():
                 times[T].append((time.perf_counter() - t0) / 3)
     base = statistics.median(times[args.sizes[0]])
     print(f"{args.dtype}, {'eager' if args.no_compile else 'compiled'}, prefix {args.prefix}, "
+          f"matmul attention up to T={model_module.SMALL_T}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
     for T in args.sizes:

@@ -344,3 +344,23 @@ def test_head_loads_in_the_requested_dtype(tmp_path):
     drafter = Drafter(loaded, "dynamic", depth=3, top_k=2, total_tokens=5)
     model.setup_caches(1, 64)
     generate(model, torch.tensor([1, 2, 3], dtype=torch.int), 10, temperature=0, draft=drafter)  # runs in bf16
+
+
+def test_total_tokens_auto_picks_the_fastest_size(monkeypatch):
+    model = make_tiny_model()
+    head = random_head(model)
+    clock, real_generate, seen = [0.0], gen.generate, []
+
+    def timed_generate(model, prompt, n, draft=None, **kw):  # a machine where 12 nodes cost least per token
+        tokens, stats = real_generate(model, prompt, n, draft=draft, **kw)
+        seen.append(draft.n_nodes)
+        clock[0] += len(tokens) * (1 + abs(draft.n_nodes - 12))
+        return tokens, stats
+
+    monkeypatch.setattr(gen, "generate", timed_generate)
+    monkeypatch.setattr(gen.time, "perf_counter", lambda: clock[0])
+    best, table = gen.auto_total_tokens(model, head, [3, 1, 4, 1, 5], depth=4, top_k=3, new_tokens=10)
+    assert best == 12
+    assert list(table) == [4, 8, 12, 16, 24]  # 32 exceeds the 3 + 3 * 9 = 30 nodes depth 4, top-k 3 can offer
+    assert seen == [4, 8, 12, 16, 24] * 2  # interleaved rounds
+    assert all(tau >= 1 for _, tau in table.values())

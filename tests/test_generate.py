@@ -148,3 +148,13 @@ def test_cli_chat_greedy_and_metrics(tmp_path, capsys, hf_reference):
         assert r["tokens_per_s"] > 0 and "Paris" in r["text"]
         # the shipped EAGLE head drafts by default: same tokens, fewer target forwards (greedy, fp32)
         assert r["target_forwards"] <= n - 1 and r["mean_accepted"] >= 1
+
+
+def test_cli_total_tokens_auto(tmp_path, capsys, hf_reference):
+    out = tmp_path / "m.jsonl"
+    main(["--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max_new_tokens", "12",
+          "--total_tokens", "auto", "--depth", "2", "--draft_top_k", "2", "--metrics-json", str(out)])
+    err = capsys.readouterr().err
+    assert "--total_tokens auto: 4" in err  # depth 2, top-k 2 offer at most 6 nodes: 4 is the only size
+    ref = hf_reference["greedy"]["results"][0]
+    assert json.loads(out.read_text())["token_ids"] == ref["new_ids"][:ref["first_eos_index"] + 1]

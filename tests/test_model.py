@@ -151,3 +151,33 @@ def test_golden_greedy_matches_transformers(real_model, hf_reference):
         real_model.setup_caches(1, 128)
         tokens, _ = generate(real_model, torch.tensor(case["prompt_ids"]), 48, stop_ids=(), temperature=0)
         assert tokens == case["new_ids"], case["prompt"]
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 4])
+def test_small_attention_equals_sdpa_with_any_mask(n_kv):
+    from model import small_attention
+    torch.manual_seed(0)
+    T, S = 6, 20
+    q, k, v = torch.randn(2, 4, T, 16), torch.randn(2, n_kv, S, 16), torch.randn(2, n_kv, S, 16)
+    mask = torch.rand(T, S) < 0.6
+    mask[:, 0] = True  # every query sees at least one slot
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=n_kv != 4)
+    torch.testing.assert_close(small_attention(q, k, v, mask[None, None]), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_short_queries_use_the_matmul_attention_and_agree_with_sdpa(monkeypatch):
+    import model as model_module
+    model = make_tiny_model()
+    model.setup_caches(1, 64)
+    ids = torch.randint(0, model.config.vocab_size, (1, 20))
+    calls = []
+    real = model_module.small_attention
+    monkeypatch.setattr(model_module, "small_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    with torch.no_grad():
+        model(ids[:, :12], torch.arange(12))
+        fast = torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(12, 20)], 1)
+        assert set(calls) == {12, 1}  # the prefill and every decode step: both within SMALL_T
+        monkeypatch.setattr(model_module, "SMALL_T", 0)  # SDPA everywhere
+        model(ids[:, :12], torch.arange(12))
+        slow = torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(12, 20)], 1)
+    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
