@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import KVCache, ModelArgs, TransformerBlock, precompute_freqs_cis
+from model import KVCache, Linear, ModelArgs, TransformerBlock, linear, precompute_freqs_cis
 
 HEAD_FILE, HEAD_CONFIG = "head.safetensors", "head_config.json"
 
@@ -32,7 +32,7 @@ class EagleHead(nn.Module):
     def __init__(self, config: ModelArgs, bias: bool = True, draft_vocab_size: int = 0):
         super().__init__()
         self.config, self.bias = config, bias
-        self.fc = nn.Linear(2 * config.dim, config.dim, bias=bias)
+        self.fc = Linear(2 * config.dim, config.dim, bias=bias)
         self.layer = TransformerBlock(config)
         self.layer.attention_norm = nn.Identity()  # EAGLE's single layer has no input norm
         # Reduced draft vocabulary (as in FR-Spec / EAGLE-3): drafting scores only these target token ids,
@@ -65,7 +65,7 @@ class EagleHead(nn.Module):
         Map indices back to target ids with to_target()."""
         if self.draft_vocab is None:
             return self.lm_head(hidden)
-        return F.linear(hidden.to(self._draft_weight.dtype), self._draft_weight)
+        return linear(hidden.to(self._draft_weight.dtype), self._draft_weight)
 
     def to_target(self, draft_ids):
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]

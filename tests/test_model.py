@@ -181,3 +181,16 @@ def test_short_queries_use_the_matmul_attention_and_agree_with_sdpa(monkeypatch)
         model(ids[:, :12], torch.arange(12))
         slow = torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(12, 20)], 1)
     torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.compile
+def test_compiled_one_token_linear_is_a_multiply_sum_equal_to_f_linear():
+    from model import linear
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    f = torch.compile(linear, fullgraph=True, dynamic=False)
+    for x in (torch.randn(2, 1, 32), torch.randn(32), torch.randn(1, 3, 32)):  # one token, a vector, three tokens
+        torch.testing.assert_close(f(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    xb, wb = torch.randn(1, 1, 32, dtype=torch.bfloat16), w.bfloat16()
+    # bf16 in, fp32 sums, one rounding at the end: within one bf16 ulp of oneDNN's result
+    torch.testing.assert_close(f(xb, wb).float(), F.linear(xb, wb).float(), atol=0.02, rtol=0.01)

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 import generate as gen
 import quantize as Q
 from conftest import make_tiny_model
+from model import Linear
 from eagle_head import load_head, random_head, save_head, target_info
 from generate import Drafter, generate, load_model
 
@@ -148,12 +149,12 @@ def test_quantize_main_writes_a_checkpoint_that_generate_loads(tmp_path, capsys,
     assert str(ckpt / entry["file"]) in capsys.readouterr().out
 
     plain = load_model(ckpt)  # the float checkpoint still loads as float
-    assert type(plain.layers[0].attention.wqkv) is nn.Linear
+    assert type(plain.layers[0].attention.wqkv) is Linear
     model = load_model(ckpt, quantization=name)
     want = Q.Int8Linear if mode == "int8" else Q.Int4Linear
     assert all(type(m) is want for _, m in Q.linear_layers(model))
     assert all(m.layout == "cpu" for m in model.modules() if isinstance(m, Q.Int4Linear))
-    assert type(model.output) is (Q.Int8Linear if head else nn.Linear)
+    assert type(model.output) is (Q.Int8Linear if head else Linear)
     if model.config.tie_embeddings:  # one table, not two
         assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
         assert type(model.tok_embeddings) is (Q.Int8Embedding if head else nn.Embedding)
@@ -261,7 +262,7 @@ def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize):
     loaded = load_head(tmp_path / "head" / entry["file"], target)
     assert type(loaded.fc) is (Q.Int8Linear if mode == "int8" else Q.Int4Linear) and loaded.fc.bias is not None
     assert type(load_head(tmp_path / "head", target, quantization=name).layer.feed_forward.w2) is type(loaded.fc)
-    assert type(load_head(tmp_path / "head", target).fc) is nn.Linear  # the float head is still the default
+    assert type(load_head(tmp_path / "head", target).fc) is Linear  # the float head is still the default
     # the quantized head drafts close to the float one and decoding with it stays exact
     x, f = torch.tensor([[5, 6, 7]]), torch.randn(1, 3, 64)
     for h in (head, loaded):
