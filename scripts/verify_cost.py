@@ -24,6 +24,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--quant", default=None, help="a quantized variant (int8, int4.g32, ...)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--rounds", type=int, default=7)
@@ -33,7 +34,7 @@ def main():
     args = p.parse_args()
     if args.small_t is not None:
         model_module.SMALL_T = args.small_t
-    model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype])
+    model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
     S = args.prefix + max(args.sizes) + 8
     model.setup_caches(1, S)
     with torch.no_grad():
@@ -61,7 +62,7 @@ def main():
                     step(*inputs[T])
                 times[T].append((time.perf_counter() - t0) / 3)
     base = statistics.median(times[args.sizes[0]])
-    print(f"{args.dtype}, {'eager' if args.no_compile else 'compiled'}, prefix {args.prefix}, "
+    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled'}, prefix {args.prefix}, "
           f"matmul attention up to T={model_module.SMALL_T}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
