@@ -287,6 +287,8 @@ def plot(results, path):
     for m, e in methods.items():
         if "acceptance_rate_by_depth" in e:
             b.plot(range(1, len(e["acceptance_rate_by_depth"]) + 1), e["acceptance_rate_by_depth"], marker="o", label=m)
+    depth = max([len(e.get("acceptance_rate_by_depth", [])) for e in methods.values()] + [1])
+    b.set_xticks(range(1, depth + 1))
     b.set_xlabel("draft depth")
     b.set_ylabel("acceptance rate (given the previous depth)")
     b.set_ylim(0, 1)

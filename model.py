@@ -231,10 +231,17 @@ def small_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     n_kv, S = k.shape[1], k.shape[2]
     q = q.reshape(B, n_kv, H // n_kv * T, D)  # heads sharing a KV head become extra query rows
     # scores and softmax in fp32 (as SDPA accumulates them): bf16 scores would be off by ~0.05 at |score| ~ 10
-    scores = (q.float() @ k.float().transpose(-1, -2)).view(B, n_kv, H // n_kv, T, S) * (D ** -0.5)
+    fused = T == 1 and torch.compiler.is_compiling()  # one query: products and sums Inductor fuses, no bmm calls
+    if fused:
+        scores = (q.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1)  # (B, n_kv, G, 1, D) * (B, n_kv, 1, S, D)
+    else:
+        scores = q.float() @ k.float().transpose(-1, -2)
+    scores = scores.view(B, n_kv, H // n_kv, T, S) * (D ** -0.5)
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype).view(B, n_kv, H // n_kv * T, S)
-    return (probs @ v).view(B, H, T, D)
+    probs = scores.softmax(-1).view(B, n_kv, H // n_kv * T, S)
+    if fused:  # (B, n_kv, G, S, 1) * (B, n_kv, 1, S, D), summed over S
+        return (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(v.dtype).view(B, H, T, D)
+    return (probs.to(v.dtype) @ v).view(B, H, T, D)
 
 
 class FeedForward(nn.Module):

@@ -194,3 +194,15 @@ def test_compiled_one_token_linear_is_a_multiply_sum_equal_to_f_linear():
     xb, wb = torch.randn(1, 1, 32, dtype=torch.bfloat16), w.bfloat16()
     # bf16 in, fp32 sums, one rounding at the end: within one bf16 ulp of oneDNN's result
     torch.testing.assert_close(f(xb, wb).float(), F.linear(xb, wb).float(), atol=0.02, rtol=0.01)
+
+
+@pytest.mark.compile
+def test_compiled_one_query_attention_is_fused_and_equals_sdpa():
+    from model import small_attention
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    mask = torch.rand(1, 20) < 0.7
+    mask[:, 0] = True
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
+    fused = torch.compile(small_attention, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(fused(q, k, v, mask[None, None]), ref, atol=1e-5, rtol=1e-5)
