@@ -524,6 +524,9 @@ def main(argv=None):
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         die(e)
     config = model.checkpoint_config
+    if args.compile and drafter is not None and args.quant and args.quant.endswith(".head8"):
+        die(f"--compile with a draft head on {args.quant} weights is not supported: the compiled verification step "
+            "crashes with an int8 LM head (known issue); drop --compile, --draft none, or use a variant without .head8")
     if tokenizer.vocab_size > model.config.vocab_size:
         die(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
     print(f"Loaded {checkpoint} ({args.dtype}{', ' + args.quant if args.quant else ''}) "
