@@ -28,7 +28,7 @@ import torch
 
 import generate as gen
 from eagle_head import load_head, random_head
-from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, default_gguf, die, load_model,
+from generate import (DTYPES, CheckpointError, default_checkpoint, default_gguf, die, load_model,
                       model_size_bytes, peak_memory_bytes)
 from tokenizer import apply_chat_template, get_tokenizer
 
@@ -80,20 +80,6 @@ def parse_method(spec, dtype):
         except QuantizeError as e:
             raise ValueError(f"{spec}: {e}") from None
     return name, weights
-
-
-def drafter_for(name, head, args, model, calibration_ids):
-    kind = name.split("-", 1)[1]
-    if kind == "chain":
-        return Drafter(head, "chain", depth=args.speculate_k)
-    if kind == "static":
-        return Drafter(head, "static")
-    total = args.total_tokens
-    if total == "auto":  # timed eagerly on the first prompt, before anything is compiled
-        total, table = gen.auto_total_tokens(model, head, calibration_ids, args.depth, args.draft_top_k)
-        print(f"{name}: --total_tokens auto picked {total} (tokens/s, tau by size: "
-              + ", ".join(f"{n}: {v:.1f}, {t:.2f}" for n, (v, t) in table.items()) + ")", file=sys.stderr)
-    return Drafter(head, "dynamic", depth=args.depth, top_k=args.draft_top_k, total_tokens=total)
 
 
 def hf_model_from(model):
@@ -181,7 +167,8 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
                 dtype = DTYPES[weights if weights in DTYPES else args.dtype]
                 heads[weights] = (random_head(models[weights]) if draft == "random"
                                   else load_head(draft, models[weights], args.device, dtype))
-            drafters[spec] = drafter_for(name, heads[weights], args, models[weights], prompts[0][1])
+            drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], args)
+            drafters[spec] = gen.timed_drafter(models[weights], drafter, args, prompts[0][1])
     cache = max(len(ids) for _, ids in prompts) + args.max_new_tokens + max([d.headroom for d in drafters.values()] + [0]) + 1
     runners = {}
     for spec, (name, weights) in methods.items():

@@ -496,12 +496,30 @@ def load_drafter(args, model, checkpoint):
         head = random_head(model, seed=args.seed)
     else:
         head = load_head(draft, model, model.tok_embeddings.weight.device, dtype)
-    if args.tree == "chain":
+    return tree_drafter(head, args.tree, args)
+
+
+def tree_drafter(head, tree, args):
+    """The Drafter for a tree kind and the size flags (--total_tokens auto: sized by the largest candidate until
+    timed_drafter() picks)."""
+    if tree == "chain":
         return Drafter(head, "chain", depth=args.speculate_k)
-    if args.tree == "static":
-        return Drafter(head, "static", paths=parse_tree_paths(args.tree_paths))
-    total = max(AUTO_SIZES) if args.total_tokens == "auto" else args.total_tokens  # auto: sized by the largest
+    if tree == "static":
+        return Drafter(head, "static", paths=parse_tree_paths(getattr(args, "tree_paths", None)))
+    total = max(AUTO_SIZES) if args.total_tokens == "auto" else args.total_tokens
     return Drafter(head, "dynamic", depth=args.depth, top_k=args.draft_top_k, total_tokens=total)
+
+
+def timed_drafter(model, drafter, args, prompt_ids):
+    """With --total_tokens auto, the dynamic drafter with the size auto_total_tokens() measured fastest on this
+    prompt (before anything is compiled); otherwise the drafter as it is."""
+    if drafter is None or drafter.kind != "dynamic" or args.total_tokens != "auto":
+        return drafter
+    t0 = time.perf_counter()
+    best, table = auto_total_tokens(model, drafter.head, prompt_ids, args.depth, args.draft_top_k)
+    print(f"--total_tokens auto: {best} ({time.perf_counter() - t0:.1f} s; tokens/s, tau by size: "
+          + ", ".join(f"{n}: {v:.1f}, {t:.2f}" for n, (v, t) in table.items()) + ")", file=sys.stderr)
+    return Drafter(drafter.head, "dynamic", args.depth, args.draft_top_k, best)
 
 
 def die(msg):
@@ -541,12 +559,7 @@ def main(argv=None):
             text = apply_chat_template([*messages, {"role": "user", "content": text}], template, system)
         return tokenizer.encode(text)
 
-    if drafter is not None and drafter.kind == "dynamic" and args.total_tokens == "auto":
-        t0 = time.perf_counter()
-        best, table = auto_total_tokens(model, drafter.head, encode(args.prompt), args.depth, args.draft_top_k)
-        drafter = Drafter(drafter.head, "dynamic", args.depth, args.draft_top_k, best)
-        print(f"--total_tokens auto: {best} ({time.perf_counter() - t0:.1f} s; tokens/s, tau by size: "
-              + ", ".join(f"{n}: {v:.1f}, {t:.2f}" for n, (v, t) in table.items()) + ")", file=sys.stderr)
+    drafter = timed_drafter(model, drafter, args, encode(args.prompt))
 
     global decode_one_token, prefill, draft_step, verify_step
     if args.compile:
