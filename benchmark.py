@@ -338,9 +338,7 @@ def main(argv=None):
         die(e)
     if not args.no_compile:
         torch._dynamo.config.recompile_limit = 64  # one graph per weights variant and tree shape
-        gen.decode_one_token = torch.compile(gen.decode_one_token, fullgraph=True, dynamic=False)
-        gen.draft_step = torch.compile(gen.draft_step, fullgraph=True, dynamic=False)
-        gen.verify_step = torch.compile(gen.verify_step, fullgraph=True, dynamic=False)
+        gen.compile_steps()
 
     warmup, memory = {}, {}
     for spec, (run, weights_bytes) in runners.items():  # compile (or warm caches) on the first prompt, timed apart

@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import KVCache, Linear, ModelArgs, TransformerBlock, linear, precompute_freqs_cis
+import kernels
+from model import KVCache, Linear, ModelArgs, TransformerBlock, linear, pack_weights, precompute_freqs_cis
 
 HEAD_FILE, HEAD_CONFIG = "head.safetensors", "head_config.json"
 
@@ -44,13 +45,16 @@ class EagleHead(nn.Module):
         self._draft_weight = None
 
     def attach(self, target):
-        """Share the target's embedding and LM head (frozen): the head never stores its own copies."""
+        """Share the target's embedding and LM head (frozen): the head never stores its own copies. A target packed
+        for the CPU kernels (model.pack_weights) gets a packed head too."""
         t = target.config
         for name in ("dim", "vocab_size"):
             if getattr(t, name) != getattr(self.config, name):
                 raise ValueError(f"draft head {name} {getattr(self.config, name)} does not match the target's "
                                  f"{getattr(t, name)}: this head was trained for another model")
         self._target = (target.tok_embeddings, target.output)
+        if target.output.weight.dim() == 4:
+            pack_weights(self)
         self._slice_draft_weight()
         return self
 
@@ -81,9 +85,13 @@ class EagleHead(nn.Module):
         self._draft_weight = None
         if self.draft_vocab is not None and self._target is not None:
             lm_head = self._target[1]
-            rows = lm_head.weight.detach()[self.draft_vocab]
+            weight = lm_head.weight.detach()
+            rows = kernels.packed_rows(weight, self.draft_vocab) if weight.dim() == 4 else weight[self.draft_vocab]
             if not rows.is_floating_point():  # an int8 LM head (quantize.py --quantize_head): per-row scales
-                rows = rows.to(lm_head.scales.dtype) * lm_head.scales[self.draft_vocab, None]
+                dtype = self.layer.ffn_norm.weight.dtype  # the activations'
+                rows = rows.to(dtype) * lm_head.scales[self.draft_vocab, None].to(dtype)
+            if weight.dim() == 4 and kernels.can_pack(rows):
+                rows = kernels.pack(rows)
             self._draft_weight = rows
 
     def setup_caches(self, max_seq_length: int):

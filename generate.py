@@ -16,7 +16,7 @@ import torch
 
 from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, load_head, random_head,
                         tree_ancestors, tree_attention_mask, tree_from_paths)
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, pack_weights
 from tokenizer import apply_chat_template, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent
@@ -65,8 +65,8 @@ def sample(logits, temperature: float = 0.0, top_k=None, top_p: float = 1.0):
 # ---------------------------------------------------------------- plain decoding
 
 def prefill(model, x, input_pos, **sampling):
-    # x: (B, T), input_pos: (T,)
-    logits = model(x, input_pos)
+    # x: (B, T), input_pos: (T,); only the last position's logits are needed
+    logits = model(x, input_pos, last_logits_only=True)
     return sample(logits[:, -1], **sampling)
 
 
@@ -78,8 +78,9 @@ def decode_one_token(model, cur_token, input_pos, **sampling):
 
 def decode_n_tokens(model, cur_token, input_pos, num_new_tokens, stop_ids=(), callback=lambda t: None, **sampling):
     new_tokens = []
-    for _ in range(num_new_tokens):
-        next_token = decode_one_token(model, cur_token, input_pos, **sampling)
+    for i in range(num_new_tokens):
+        with guards_checked_once(i):
+            next_token = decode_one_token(model, cur_token, input_pos, **sampling)
         input_pos += 1
         new_tokens.append(next_token.clone())
         token = next_token.item()  # the one sync per step: streaming and the stop check need the id
@@ -88,6 +89,21 @@ def decode_n_tokens(model, cur_token, input_pos, num_new_tokens, stop_ids=(), ca
             break
         cur_token = next_token.clone()
     return new_tokens
+
+
+def guards_checked_once(calls_so_far: int):
+    """Dynamo checks ~4,500 guards (the model's modules, weights, caches, settings) before every compiled call:
+    ~0.7 ms a call on this CPU. Within one generation none of what they check changes, so after a first guarded
+    call the loop runs the same graph without them (Dynamo still tells its cached graphs apart)."""
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=calls_so_far > 0)
+
+
+def compile_steps():
+    """torch.compile what runs every step, like gpt-fast: the plain decode step and the EAGLE cycle (draft and
+    verification in one graph: one compiled call, one guard check and one host sync per cycle). Static shapes."""
+    global decode_one_token, eagle_cycle
+    decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False)
+    eagle_cycle = torch.compile(eagle_cycle, fullgraph=True, dynamic=False)
 
 
 @torch.no_grad()
@@ -194,6 +210,15 @@ def verify_step(model, tree_tokens, parents, L, max_depth: int, **sampling):
     return next_tokens, features[0, path], n_accepted
 
 
+def eagle_cycle(model, drafter, features, tokens, start, n_accepted, **sampling):
+    """One EAGLE cycle: feed the head what the last verification accepted, draft a tree, verify it in one target
+    forward. Returns what the next cycle needs, and (n_accepted, accepted tokens + bonus) in one tensor for the
+    host to read: the one sync per cycle."""
+    tree_tokens, parents, L = draft_step(drafter, features, tokens, start, n_accepted)
+    next_tokens, next_features, n_accepted = verify_step(model, tree_tokens, parents, L, drafter.depth, **sampling)
+    return next_tokens, next_features, n_accepted, L, torch.cat([n_accepted.view(1), next_tokens])
+
+
 def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=lambda t: None, **sampling):
     T, S, device = prompt.numel(), model.max_seq_length, prompt.device
     head, D = drafter.head, drafter.depth
@@ -201,7 +226,8 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
         raise ValueError(f"the draft tree needs {drafter.headroom} cache slots after the prompt of {T} tokens, "
                          f"but the KV cache holds {S} (raise --max_seq_length or shrink the tree)")
     head.setup_caches(S)
-    logits, features = model(prompt.view(1, -1), torch.arange(T, device=device), return_features=True)
+    logits, features = model(prompt.view(1, -1), torch.arange(T, device=device), return_features=True,
+                             last_logits_only=True)
     root = sample(logits[:, -1], **sampling).view(1)
     if T > 1:  # the head sees the pairs (f_t, x_{t+1}) for t < T-1; the last pair starts the first cycle
         pos = torch.arange(T - 1, device=device)
@@ -217,15 +243,16 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
     while len(tokens) < budget and tokens[-1] not in stop_ids:
         L = T + len(tokens) - 1  # the root (last emitted token) sits at position L
         if L + drafter.headroom > S:  # no room left for a tree: finish with plain steps
-            nxt = decode_one_token(model, torch.tensor([[tokens[-1]]], device=device),
-                                   torch.tensor([L], device=device), **sampling)
+            with guards_checked_once(plain_steps):
+                nxt = decode_one_token(model, torch.tensor([[tokens[-1]]], device=device),
+                                       torch.tensor([L], device=device), **sampling)
             new = [int(nxt.item())]
             plain_steps += 1
         else:
-            tree_tokens, parents, L_dev = draft_step(drafter, next_features, next_tokens, start, n_accepted)
-            next_tokens, next_features, n_accepted = verify_step(model, tree_tokens, parents, L_dev, D, **sampling)
-            start = L_dev
-            out = torch.cat([n_accepted.view(1), next_tokens]).tolist()  # the one host sync per cycle
+            with guards_checked_once(cycles):
+                next_tokens, next_features, n_accepted, start, out = eagle_cycle(
+                    model, drafter, next_features, next_tokens, start, n_accepted, **sampling)
+            out = out.tolist()  # the one host sync per cycle
             new = out[1:out[0] + 2]
             cycles += 1
             for d in range(out[0]):
@@ -331,10 +358,11 @@ def load_state_dict_strict(module, state_dict, what):
     module.load_state_dict(state_dict, strict=False, assign=True)
 
 
-def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=None):
+def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=None, pack=True):
     """A Transformer with the checkpoint's weights in `dtype` on `device`, in eval mode. quantization: None for
     the float weights, or the name of a quantized variant quantize.py wrote ("int8", "int4.g32", ...); then the
-    file's tensors decide the module swaps, and `dtype` is that of the activations, scales and float weights."""
+    file's tensors decide the module swaps, and `dtype` is that of the activations, scales and float weights.
+    pack: re-lay the weights for the CPU's small-M kernels (model.pack_weights; inference only, no gradients)."""
     config = read_config(checkpoint_dir)
     try:
         args = ModelArgs.from_json(Path(checkpoint_dir) / "config.json")
@@ -344,14 +372,15 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=N
         model = Transformer(args)
     if quantization is not None:
         from quantize import load_quantized
-        load_quantized(model, checkpoint_dir, config, quantization, device, dtype)
-        model.checkpoint_config = config
-        return model.eval()
-    weights = load_safetensors(Path(checkpoint_dir) / "model.safetensors")
-    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
-    load_state_dict_strict(model, weights, f"checkpoint {checkpoint_dir}")
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+        load_quantized(model, checkpoint_dir, config, quantization, device, dtype, pack=pack)
+    else:
+        weights = load_safetensors(Path(checkpoint_dir) / "model.safetensors")
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        load_state_dict_strict(model, weights, f"checkpoint {checkpoint_dir}")
+        if args.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+    if pack:
+        pack_weights(model)
     model.checkpoint_config = config
     return model.eval()
 
@@ -561,11 +590,9 @@ def main(argv=None):
 
     drafter = timed_drafter(model, drafter, args, encode(args.prompt))
 
-    global decode_one_token, prefill, draft_step, verify_step
+    global prefill
     if args.compile:
-        decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False)
-        draft_step = torch.compile(draft_step, fullgraph=True, dynamic=False)
-        verify_step = torch.compile(verify_step, fullgraph=True, dynamic=False)
+        compile_steps()
     if args.compile_prefill:
         prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
 

@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels
+
 
 @dataclass
 class ModelArgs:
@@ -81,10 +83,13 @@ transformer_configs = {
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear, except for one token under torch.compile: there the product is a multiply-sum that Inductor fuses
-    into one vectorised reduction. At batch 1 decoding is a matrix-vector product bound by reading the weight:
-    that reduction reads it at ~40 GB/s on this CPU where oneDNN's gemv reaches ~20 (bf16) or ~10 (fp32), which
-    makes a compiled decode step 1.5x (bf16) to 2.4x (fp32) faster. From 2 tokens on the matmul wins."""
+    """x @ weight.T (+ bias). A packed weight (pack_weights(), on CPU) goes to the small-M kernel of kernels.py: one
+    pass over the weight for up to 16 tokens, each row computed the same way whatever the number of tokens, which
+    is what keeps bf16 EAGLE exact. Otherwise F.linear, except for one token under torch.compile (CUDA, or a CPU
+    without the kernel): there the product is a multiply-sum Inductor fuses into one vectorised reduction, which
+    reads the weight faster than a gemv."""
+    if weight.dim() == 4:
+        return kernels.linear(x, weight, bias)
     if (x.dim() > 1 and x.shape[-2] != 1) or not torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     y = (x.float().unsqueeze(-2) * weight.float()).sum(-1)  # (..., 1, in) * (out, in) -> (..., out), fp32 sums
@@ -94,6 +99,31 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    def forward(self, idx: Tensor) -> Tensor:
+        if self.weight.dim() == 4:  # tied to a packed LM head: gather the rows from the packed blocks
+            return kernels.packed_rows(self.weight, idx)
+        return F.embedding(idx, self.weight)
+
+
+def pack_weights(module: nn.Module) -> nn.Module:
+    """For inference on CPU: re-lay every Linear weight of a model (or an EAGLE head) for kernels.py's small-M
+    kernel, in place (the same numbers; a tied embedding shares the packed table). Weights the kernel does not
+    take (CUDA, float16, shapes) and a machine without the kernel keep the plain layout. Not for training: the
+    kernel has no backward."""
+    packed = {}
+    for m in list(module.modules()):
+        if isinstance(m, Linear) and m.weight.dim() == 2 and kernels.can_pack(m.weight):
+            key = m.weight.data_ptr()
+            if key not in packed:
+                packed[key] = nn.Parameter(kernels.pack(m.weight), requires_grad=False)
+            m.weight = packed[key]
+    for m in module.modules():  # a tied embedding follows its LM head
+        if isinstance(m, Embedding) and m.weight.data_ptr() in packed:
+            m.weight = packed[m.weight.data_ptr()]
+    return module
 
 
 class KVCache(nn.Module):
@@ -115,7 +145,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelArgs):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size, bias=False)
@@ -145,11 +175,12 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
                 rope_pos: Optional[Tensor] = None, return_features: bool = False,
-                feature_layers: tuple = ()):
+                feature_layers: tuple = (), last_logits_only: bool = False):
         """idx (B, T) token ids written at cache slots input_pos (T,).
 
         mask (T, max_seq_length) bool, who attends to which cache slot; default causal by slot.
         rope_pos (T,) positions for RoPE; default input_pos (a tree uses prefix_len + depth).
+        last_logits_only: logits of the last position only, (B, 1, vocab) (a prefill needs no more).
         Returns logits (B, T, vocab), or (logits, features) with return_features, where features is
         the final normed hidden state (B, T, dim); with feature_layers it is instead a list of the hidden
         states entering those layers (an index equal to n_layer means the final normed state).
@@ -166,7 +197,7 @@ class Transformer(nn.Module):
                 hidden.append(x)
             x = layer(x, input_pos, freqs_cis, mask)
         x = self.norm(x)
-        logits = self.output(x)
+        logits = self.output(x[:, -1:] if last_logits_only else x)
         if not return_features:
             return logits
         if feature_layers:
@@ -211,7 +242,9 @@ class Attention(nn.Module):
         # q: (B, n_head, T, head_dim); k, v: (B, n_kv, T, head_dim)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, head_dim)
-        if T <= SMALL_T:
+        if T <= kernels.MAX_M and not q.requires_grad and kernels.attention_takes(q, k):
+            y = kernels.attention(q, k, v, mask[0, 0])  # each query row the same whatever T is
+        elif T <= SMALL_T:
             y = small_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)

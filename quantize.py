@@ -351,7 +351,7 @@ def quantized_file(checkpoint_dir, config, name) -> Path:
     return path
 
 
-def load_quantized(model, checkpoint_dir, config, name, device, dtype):
+def load_quantized(model, checkpoint_dir, config, name, device, dtype, pack=True):
     """Fill `model` (a Transformer built on the meta device) from the quantized variant `name` of a checkpoint."""
     from generate import CheckpointError, load_safetensors, load_state_dict_strict
     path = quantized_file(checkpoint_dir, config, name)

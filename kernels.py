@@ -1,0 +1,704 @@
+"""Small-M kernels: the linears and the attention of a forward over 1..16 query tokens, one pass over the weights.
+
+Decoding at batch 1 and verifying a draft tree both multiply a few rows of activations (M = 1..16) by every weight
+matrix. That is bound by reading the weights, but the library kernels are not: oneDNN reads bf16 weights at 10-20
+GB/s at M = 1..16 (docs/performance.md), and Inductor's multiply-sums are fast at M = 1 only. The C++ below reads
+each weight once for all M rows (blocks of 4 weight rows x up to 4 activation rows; the weight rows stay in L1
+while the next activation rows pass over them), so M = 5 costs about what M = 1 does.
+
+It also computes every output element the same way whatever M is: one accumulator per (row, column), the same
+sequence of vector multiply-adds over K, the same horizontal sum; attention likewise per query row, over the
+cache slots the row sees, in slot order. So each row of a verification over a draft tree equals, bit for bit,
+the one-token decode step that would have computed it, in bf16, int8 and int4 as in fp32: this is what makes
+greedy EAGLE output equal plain decoding token for token in every precision.
+
+Three builds of the same loops, chosen at run time from what the CPU has: AVX-512 with BF16 dot products (Zen 4,
+Sapphire Rapids), AVX-512F, and AVX2 + FMA (most desktop CPUs). EAGLE_KERNELS=avx2 or avx512 forces a lower one
+(tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
+(the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
+Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
+pure-PyTorch fallback runs: each row on its own through F.linear, so its rows too are the same whatever M is.
+
+    torch.ops.eagle_fast.linear(x, w, scales, offsets, bias)
+        x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale), or uint8
+        int4 nibbles (N, K/2) with scales and offsets (N, K/G) (w = q * scale + offset); -> (M, N) in x's dtype
+    torch.ops.eagle_fast.attention(q, k, v, mask)
+        q (H, T, D), k and v (n_kv, S, D) in q's dtype, mask (T, S) bool -> (H, T, D), softmax in fp32
+"""
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify steps); prefill goes to SDPA
+
+CPP = r"""
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512BF16 = 3 };
+
+int detect_isa() {
+  __builtin_cpu_init();
+  int isa = SCALAR;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = AVX2;
+  if (isa == AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    isa = AVX512;
+  if (isa == AVX512 && __builtin_cpu_supports("avx512bf16")) isa = AVX512BF16;
+  const char* want = std::getenv("EAGLE_KERNELS");
+  if (want && !std::strcmp(want, "avx2") && isa > AVX2) isa = AVX2;
+  if (want && !std::strcmp(want, "avx512") && isa > AVX512) isa = AVX512;
+  return isa;
+}
+
+int isa() {
+  static int value = detect_isa();
+  return value;
+}
+
+enum WType { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
+
+// A packed weight (kernels.pack): blocks of 4 rows x 32 columns, each block's rows one after another (32 values,
+// or 16 bytes of int4 nibbles, a row), blocks in order along K then along N. A block's 4 rows are read as one
+// sequential stream: reading 4 rows of the plain layout side by side streamed DRAM at half the speed here.
+struct Lin {
+  int64_t M, N, K, G;      // G: int4 group size
+  const float* xf;         // (M, K) activations in fp32 (int4: each 32 columns permuted to evens, then odds)
+  const uint16_t* xb;      // (M, K) activations in bf16, for the BF16 dot products (same permutation for int4)
+  const char* w;           // packed weights
+  int64_t block_bytes;     // bytes of one block row (32 columns)
+  const float* scales;     // int8 (N,), int4 (N, K/G)
+  const float* offsets;    // int4 (N, K/G)
+  const float* bias;       // (N,) or null
+  void* out;               // (M, N) fp32 or bf16
+  bool out_bf16;
+  const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
+    return w + (((n >> 2) * (K >> 5) + kb) * 4 + (n & 3)) * block_bytes;
+  }
+};
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// the last step for four output columns n..n+3 of row m: int8 scale, bias, store
+inline void finish4(const Lin& a, int64_t m, int64_t n, __m128 v) {
+  if (a.scales && !a.offsets) v = _mm_mul_ps(v, _mm_loadu_ps(a.scales + n));
+  if (a.bias) v = _mm_add_ps(v, _mm_loadu_ps(a.bias + n));
+  if (a.out_bf16) {
+    float s[4];
+    _mm_storeu_ps(s, v);
+    for (int j = 0; j < 4; j++) ((uint16_t*)a.out)[m * a.N + n + j] = to_bf16(s[j]);
+  } else {
+    _mm_storeu_ps((float*)a.out + m * a.N + n, v);
+  }
+}
+
+// Every block of 4 weight rows meets the activation rows in blocks of at most max_mb rows, split evenly (17 rows and
+// 6 at most: 6, 6, 5); its 32-column pieces stay in L1 while they pass. Activations go in panels of 64 rows, so a
+// long input (prefill) keeps its panel in L2.
+template <class Kernel>
+void run_linear(const Lin& a, int max_mb) {
+  const int64_t blocks = a.N / 4;
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(a.K, 1));
+  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, a.M - p0);
+    const int64_t n_mb = (rows + max_mb - 1) / max_mb;
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b++)
+        for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
+          const int mb = (int)((p0 + rows - m0) / (n_mb - i));
+          Kernel::rows(a, m0, mb, 4 * b);
+          m0 += mb;
+        }
+    });
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ AVX-512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+// 32 weights of row n from column 32 * kb as two fp32 vectors (int4: evens then odds, dequantized)
+template <int WT>
+inline void wload512(const Lin& a, int64_t n, int64_t kb, __m512& lo, __m512& hi) {
+  const char* p = a.row(n, kb);
+  if (WT == W_F32) {
+    lo = _mm512_loadu_ps((const float*)p);
+    hi = _mm512_loadu_ps((const float*)p + 16);
+  } else if (WT == W_BF16) {  // bf16 -> fp32 is a 16-bit shift
+    __m512i v = _mm512_loadu_si512(p);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+  } else if (WT == W_I8) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  } else {  // 16 bytes: even columns in the low nibbles, odd ones in the high nibbles
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    const int64_t g = n * (a.K / a.G) + 32 * kb / a.G;
+    const __m512 s = _mm512_set1_ps(a.scales[g]), o = _mm512_set1_ps(a.offsets[g]);
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), s, o);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, o);
+  }
+}
+
+// four vectors summed lane-wise into four floats, in a fixed tree
+inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
+}
+
+// How a 32-column step multiplies: fp32 multiply-adds (F32) or BF16 dot products, pairs summed in fp32 (BF16: bf16
+// weights as they are, int8 converted exactly, int4 dequantized and rounded to bf16).
+template <int WT>
+struct F32Step {
+  struct W { __m512 lo, hi; };
+  struct X { __m512 lo, hi; };
+  static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) { wload512<WT>(a, n, kb, w.lo, w.hi); }
+  static inline void xload(const Lin& a, int64_t m, int64_t kb, X& x) {
+    x.lo = _mm512_loadu_ps(a.xf + m * a.K + 32 * kb);
+    x.hi = _mm512_loadu_ps(a.xf + m * a.K + 32 * kb + 16);
+  }
+  static inline __m512 madd(__m512 acc, const X& x, const W& w) {
+    return _mm512_fmadd_ps(x.hi, w.hi, _mm512_fmadd_ps(x.lo, w.lo, acc));
+  }
+};
+
+template <int WT>
+struct Bf16Step {
+  struct W { __m512bh v; };
+  struct X { __m512bh v; };
+  static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) {
+    if (WT == W_BF16) {
+      w.v = (__m512bh)_mm512_loadu_si512(a.row(n, kb));
+    } else {
+      __m512 lo, hi;
+      wload512<WT>(a, n, kb, lo, hi);
+      w.v = _mm512_cvtne2ps_pbh(hi, lo);
+    }
+  }
+  static inline void xload(const Lin& a, int64_t m, int64_t kb, X& x) {
+    x.v = (__m512bh)_mm512_loadu_si512(a.xb + m * a.K + 32 * kb);
+  }
+  static inline __m512 madd(__m512 acc, const X& x, const W& w) { return _mm512_dpbf16_ps(acc, x.v, w.v); }
+};
+
+// activation rows m0..m0+MB-1 x weight rows n0..n0+3: one accumulator each, summed over K in one fixed order
+template <class Step>
+struct Kernel512 {
+  template <int MB>
+  static inline void block(const Lin& a, int64_t m0, int64_t n0) {
+    __m512 acc[MB][4];
+    for (int i = 0; i < MB; i++)
+      for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < a.K / 32; kb++) {
+      typename Step::W w[4];
+      for (int j = 0; j < 4; j++) Step::load(a, n0 + j, kb, w[j]);
+      for (int i = 0; i < MB; i++) {
+        typename Step::X x;
+        Step::xload(a, m0 + i, kb, x);
+        for (int j = 0; j < 4; j++) acc[i][j] = Step::madd(acc[i][j], x, w[j]);
+      }
+    }
+    for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, reduce4_512(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+  }
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0) {
+    switch (mb) {
+      case 1: block<1>(a, m0, n0); break;
+      case 2: block<2>(a, m0, n0); break;
+      case 3: block<3>(a, m0, n0); break;
+      case 4: block<4>(a, m0, n0); break;
+      case 5: block<5>(a, m0, n0); break;
+      default: block<6>(a, m0, n0); break;
+    }
+  }
+};
+
+// exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+inline float softmax_numerators512(float* s, int64_t n) {  // s[i] = exp(s[i] - max); returns their sum
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + i));
+  }
+  const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vmax)));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------------------------ AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// 8 weights of row n: piece s (0..3) of the 32 columns from 32 * kb, as fp32 (int4: pieces 0-1 evens, 2-3 odds)
+template <int WT>
+inline __m256 wload256(const Lin& a, int64_t n, int64_t kb, int s) {
+  const char* p = a.row(n, kb);
+  if (WT == W_F32) return _mm256_loadu_ps((const float*)p + 8 * s);
+  if (WT == W_BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + 8 * s))), 16));
+  if (WT == W_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * s))));
+  __m128i b = _mm_loadl_epi64((const __m128i*)(p + 8 * (s & 1)));
+  if (s >= 2) b = _mm_srli_epi16(b, 4);
+  b = _mm_and_si128(b, _mm_set1_epi8(15));
+  const int64_t g = n * (a.K / a.G) + 32 * kb / a.G;
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_set1_ps(a.scales[g]), _mm256_set1_ps(a.offsets[g]));
+}
+
+inline __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // per 128-bit half: a, b, c, d
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+inline float reduce1_256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int WT>
+struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at most 2 activation rows x 4)
+  template <int MB>
+  static inline void block(const Lin& a, int64_t m0, int64_t n0) {
+    __m256 acc[MB][4];
+    for (int i = 0; i < MB; i++)
+      for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < a.K / 32; kb++)
+      for (int s = 0; s < 4; s++) {
+        __m256 w[4];
+        for (int j = 0; j < 4; j++) w[j] = wload256<WT>(a, n0 + j, kb, s);
+        for (int i = 0; i < MB; i++) {
+          __m256 x = _mm256_loadu_ps(a.xf + (m0 + i) * a.K + 32 * kb + 8 * s);
+          for (int j = 0; j < 4; j++) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
+        }
+      }
+    for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, reduce4_256(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+  }
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0) {
+    if (mb == 1) block<1>(a, m0, n0);
+    else block<2>(a, m0, n0);
+  }
+};
+
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float softmax_numerators256(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; i++) mx = std::max(mx, s[i]);
+  const __m256 vmax = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  float buf[8];
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t len = std::min<int64_t>(8, n - i);
+    for (int64_t j = 0; j < 8; j++) buf[j] = j < len ? s[i + j] : -INFINITY;
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(buf), vmax));
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)len), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes));
+    _mm256_storeu_ps(buf, e);
+    for (int64_t j = 0; j < len; j++) s[i + j] = buf[j];
+    sum = _mm256_add_ps(sum, e);
+  }
+  return reduce1_256(sum);
+}
+
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------------------------ linear
+
+// int4 activations are read in the nibbles' order: each 32 columns as evens, then odds
+template <typename E>
+void permute_for_int4(E* x, int64_t M, int64_t K) {
+  E tmp[32];
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K; k += 32) {
+      E* p = x + m * K + k;
+      for (int j = 0; j < 16; j++) { tmp[j] = p[2 * j]; tmp[16 + j] = p[2 * j + 1]; }
+      std::memcpy(p, tmp, sizeof(tmp));
+    }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                  const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == 4, "eagle_fast::linear: x (M, K) and a packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: x must be fp32 or bf16");
+  TORCH_CHECK(w.is_contiguous(), "eagle_fast::linear: the packed weight must be contiguous");
+  int wt;
+  switch (w.scalar_type()) {
+    case at::kFloat: wt = W_F32; break;
+    case at::kBFloat16: wt = W_BF16; break;
+    case at::kChar: wt = W_I8; break;
+    case at::kByte: wt = W_I4; break;
+    default: TORCH_CHECK(false, "eagle_fast::linear: unsupported weight dtype");
+  }
+  const int64_t M = x.size(0), K = x.size(1), N = 4 * w.size(0);
+  TORCH_CHECK(K == 32 * w.size(1) && w.size(3) == (wt == W_I4 ? 16 : 32), "eagle_fast::linear: weight does not match x");
+  TORCH_CHECK((wt == W_I8 || wt == W_I4) == scales.has_value() && (wt == W_I4) == offsets.has_value(),
+              "eagle_fast::linear: int8 weights need scales, int4 weights scales and offsets");
+  TORCH_CHECK(wt != W_F32 || x.scalar_type() == at::kFloat, "eagle_fast::linear: fp32 weights need fp32 x");
+  TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
+  const int level = isa();
+  TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
+  Lin a{M, N, K, 1, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
+        nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
+  at::Tensor sc, of, bs;
+  if (scales) {
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32");
+    sc = *scales;
+    a.scales = sc.data_ptr<float>();
+  }
+  if (offsets) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == sc.sizes() &&
+                sc.dim() == 2 && sc.size(0) == N && K % sc.size(1) == 0 && (K / sc.size(1)) % 32 == 0,
+                "eagle_fast::linear: int4 scales and offsets must be fp32 (N, K / groupsize), groupsize a multiple of 32");
+    of = *offsets;
+    a.offsets = of.data_ptr<float>();
+    a.G = K / sc.size(1);
+  } else if (scales) {
+    TORCH_CHECK(sc.numel() == N, "eagle_fast::linear: int8 scales must be (N,)");
+  }
+  if (bias) {
+    bs = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bs.numel() == N, "eagle_fast::linear: bias must be (N,)");
+    a.bias = bs.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  a.out = out.data_ptr();
+  if (M == 0) return out;
+  at::Tensor xb, xf;
+  if (level == AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32) {  // BF16 dot products
+    xb = x.contiguous();
+    if (wt == W_I4) {
+      xb = xb.clone();
+      permute_for_int4((uint16_t*)xb.data_ptr(), M, K);
+    }
+    a.xb = (const uint16_t*)xb.data_ptr();
+    if (wt == W_BF16) run_linear<Kernel512<Bf16Step<W_BF16>>>(a, 6);
+    else if (wt == W_I8) run_linear<Kernel512<Bf16Step<W_I8>>>(a, 6);
+    else run_linear<Kernel512<Bf16Step<W_I4>>>(a, 6);
+    return out;
+  }
+  xf = x.to(at::kFloat).contiguous();
+  if (wt == W_I4) {
+    if (xf.data_ptr() == x.data_ptr()) xf = xf.clone();  // permuted in place: never the caller's tensor
+    permute_for_int4(xf.data_ptr<float>(), M, K);
+  }
+  a.xf = xf.data_ptr<float>();
+  if (level >= AVX512) {
+    switch (wt) {
+      case W_F32: run_linear<Kernel512<F32Step<W_F32>>>(a, 4); break;
+      case W_BF16: run_linear<Kernel512<F32Step<W_BF16>>>(a, 4); break;
+      case W_I8: run_linear<Kernel512<F32Step<W_I8>>>(a, 4); break;
+      default: run_linear<Kernel512<F32Step<W_I4>>>(a, 4); break;
+    }
+  } else {
+    switch (wt) {
+      case W_F32: run_linear<Kernel256<W_F32>>(a, 2); break;
+      case W_BF16: run_linear<Kernel256<W_BF16>>(a, 2); break;
+      case W_I8: run_linear<Kernel256<W_I8>>(a, 2); break;
+      default: run_linear<Kernel256<W_I4>>(a, 2); break;
+    }
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ attention
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+template <typename E>
+inline __m512 vload512(const E* p) {
+  if (sizeof(E) == 4) return _mm512_loadu_ps((const float*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// one query row against the cache slots it sees (in slot order): scores, softmax in fp32, weighted sum of V
+template <typename E>
+void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
+                   float* scores, int64_t* slots, float* out) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; s++) {
+    if (!mask[s]) continue;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), vload512(k + s * D + d), acc);
+    scores[n] = _mm512_reduce_add_ps(acc) * scale;
+    slots[n++] = s;
+  }
+  const float inv = 1.0f / softmax_numerators512(scores, n);
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[i]), vload512(v + slots[i] * D + d), acc);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+  }
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+template <typename E>
+inline __m256 vload256(const E* p) {
+  if (sizeof(E) == 4) return _mm256_loadu_ps((const float*)p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+template <typename E>
+void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
+                   float* scores, int64_t* slots, float* out) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; s++) {
+    if (!mask[s]) continue;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), vload256(k + s * D + d), acc);
+    scores[n] = reduce1_256(acc) * scale;
+    slots[n++] = s;
+  }
+  const float inv = 1.0f / softmax_numerators256(scores, n);
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[i]), vload256(v + slots[i] * D + d), acc);
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+  }
+}
+#pragma GCC pop_options
+
+template <typename E>
+void attention_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                    at::Tensor& outf, int level) {
+  const int64_t H = qf.size(0), T = qf.size(1), D = qf.size(2), n_kv = k.size(0), S = k.size(1);
+  const int64_t group = H / n_kv;
+  const float scale = 1.0f / std::sqrt((float)D);
+  const float* q = qf.data_ptr<float>();
+  const E* kp = (const E*)k.data_ptr();
+  const E* vp = (const E*)v.data_ptr();
+  const bool* mp = mask.data_ptr<bool>();
+  float* o = outf.data_ptr<float>();
+  at::parallel_for(0, H * T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(S);
+    std::vector<int64_t> slots(S);
+    for (int64_t r = r0; r < r1; r++) {
+      const int64_t h = r / T, t = r % T, g = h / group;
+      if (level >= AVX512)
+        attend_row512<E>(q + r * D, kp + g * S * D, vp + g * S * D, mp + t * S, S, D, scale, scores.data(), slots.data(), o + r * D);
+      else
+        attend_row256<E>(q + r * D, kp + g * S * D, vp + g * S * D, mp + t * S, S, D, scale, scores.data(), slots.data(), o + r * D);
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && mask.dim() == 2, "eagle_fast::attention: bad ranks");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "eagle_fast::attention: dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "eagle_fast::attention: fp32 or bf16");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == q.size(1) && mask.size(1) == k.size(1),
+              "eagle_fast::attention: mask must be bool (T, S)");
+  TORCH_CHECK(q.size(0) % k.size(0) == 0 && q.size(2) == k.size(2) && v.sizes() == k.sizes() && q.size(2) % 16 == 0,
+              "eagle_fast::attention: shapes do not match");
+  const int level = isa();
+  TORCH_CHECK(level >= AVX2, "eagle_fast::attention: this CPU has no AVX2");
+  at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
+  at::Tensor outf = at::empty(qf.sizes(), qf.options());
+  if (q.scalar_type() == at::kFloat) attention_impl<float>(qf, kc, vc, mc, outf, level);
+  else attention_impl<uint16_t>(qf, kc, vc, mc, outf, level);
+  return outf.to(q.scalar_type());
+}
+
+}  // namespace
+
+int64_t cpu_isa() { return isa(); }
+
+TORCH_LIBRARY(eagle_fast, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? offsets, Tensor? bias) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle_fast, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("attention", &attention);
+}
+"""
+
+ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+_state = {"loaded": None, "why": None, "isa": 0}
+
+
+def load() -> bool:
+    """Build (first use on a machine) and load the C++ ops; True when they are usable. Never raises: a machine
+    without a compiler, without AVX2, or with EAGLE_KERNELS=off runs the fallback."""
+    if _state["loaded"] is not None:
+        return _state["loaded"]
+    _state["loaded"] = False
+    if os.environ.get("EAGLE_KERNELS") == "off":
+        _state["why"] = "EAGLE_KERNELS=off"
+        return False
+    try:
+        from torch.utils.cpp_extension import load_inline
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = load_inline("eagle_fast_kernels", CPP, functions=["cpu_isa"],
+                                 extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"],
+                                 extra_ldflags=["-fopenmp"], verbose=False)
+        _state["isa"] = int(module.cpu_isa())
+    except Exception as e:  # no compiler, no headers, a failed build: run the fallback, say why once
+        _state["why"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:200]}"
+        print(f"kernels.py: the C++ kernels did not build ({_state['why']}); using the slower PyTorch fallback",
+              file=sys.stderr)
+        return False
+    if _state["isa"] < 1:
+        _state["why"] = "this CPU has no AVX2"
+        return False
+
+    @torch.library.register_fake("eagle_fast::linear")
+    def _(x, w, scales, offsets, bias):
+        return x.new_empty(x.shape[0], 4 * w.shape[0])
+
+    @torch.library.register_fake("eagle_fast::attention")
+    def _(q, k, v, mask):
+        return q.new_empty(q.shape)  # contiguous, like the kernel's output
+
+    _state["loaded"] = True
+    return True
+
+
+def isa() -> str:
+    """Which build runs here: 'avx512_bf16', 'avx512', 'avx2', or 'fallback'."""
+    return ISA_NAMES.get(_state["isa"], "fallback") if load() else "fallback"
+
+
+# ---------------------------------------------------------------- the packed weight layout
+
+def can_pack(weight: Tensor) -> bool:
+    """Whether the kernel takes this weight (N, K) (int4: uint8 nibbles (N, K/2)): on the CPU, N % 4 == 0, K % 32 == 0,
+    float32, bfloat16, int8 or uint8, and the kernels built."""
+    K = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+    return (weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[0] % 4 == 0 and K % 32 == 0
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8) and load())
+
+
+def pack(weight: Tensor) -> Tensor:
+    """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
+    (N, K/2) -> (N/4, K/32, 4, 16)). The same numbers, re-laid so that the kernel reads each block sequentially."""
+    N, width = weight.shape
+    C = 16 if weight.dtype == torch.uint8 else 32
+    return weight.detach().reshape(N // 4, 4, width // C, C).transpose(1, 2).contiguous()
+
+
+def unpack(packed: Tensor) -> Tensor:
+    """The inverse of pack()."""
+    B, KB, _, C = packed.shape
+    return packed.transpose(1, 2).reshape(4 * B, KB * C)
+
+
+def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
+    """Rows idx of a packed weight, (*idx.shape, K): an embedding lookup in a tied, packed table."""
+    return packed[idx // 4, :, idx % 4].flatten(-2)
+
+
+# ---------------------------------------------------------------- what the model calls
+
+def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None, offsets: Tensor = None) -> Tensor:
+    """x (..., K) @ W.T (+ bias) for a packed weight: float in x's dtype, int8 with fp32 scales (N,), or int4 nibbles
+    with fp32 scales and offsets (N, K/G), w = q * scale + offset. Any number of rows; each row is computed the
+    same way whatever the number."""
+    y = torch.ops.eagle_fast.linear(x.reshape(-1, x.shape[-1]), packed, scales, offsets, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def attention_takes(q: Tensor, k: Tensor) -> bool:
+    """Whether the attention kernel takes these: CPU, batch 1, at most MAX_M queries, head_dim % 16 == 0."""
+    return (q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] <= MAX_M and q.shape[-1] % 16 == 0
+            and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and load())
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q (1, H, T, D), k and v (1, n_kv, S, D), mask (T, S) bool -> (1, H, T, D): each query row over the slots it
+    sees, in slot order, softmax in fp32."""
+    return torch.ops.eagle_fast.attention(q[0], k[0], v[0], mask)[None]
+
+
+# ---------------------------------------------------------------- the pure-PyTorch reference
+
+def dequantize(weight: Tensor, scales: Tensor = None, offsets: Tensor = None) -> Tensor:
+    """Plain (N, K) fp32 weights from the kernel's forms (unpacked): float, int8 + scales, int4 nibbles + scales,
+    offsets (column 2j in the low nibble, 2j + 1 in the high one)."""
+    if offsets is not None:
+        q = torch.stack([weight & 15, weight >> 4], dim=-1).reshape(weight.shape[0], -1).float()
+        G = q.shape[1] // scales.shape[1]
+        return (q.view(q.shape[0], -1, G) * scales.float()[..., None] + offsets.float()[..., None]).view_as(q)
+    if scales is not None:
+        return weight.float() * scales.float()[:, None]
+    return weight.float()
+
+
+def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
+                     offsets: Tensor = None) -> Tensor:
+    """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two)."""
+    y = F.linear(x.float(), dequantize(unpack(packed), scales, offsets))
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """What eagle_fast::attention computes, in plain PyTorch: q (1, H, T, D), k, v (1, n_kv, S, D), mask (T, S)."""
+    H, n_kv = q.shape[1], k.shape[1]
+    k, v = (t.float().repeat_interleave(H // n_kv, dim=1) for t in (k, v))
+    scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ v).to(q.dtype)
