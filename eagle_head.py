@@ -279,7 +279,9 @@ def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {**head.config.to_dict(), "bias": head.bias, "target": target_info,
               "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab), **(extra or {})}
-    for name, write in ((HEAD_FILE, lambda p: save_file({k: v.contiguous() for k, v in head.state_dict().items()}, p)),
+    # weights in the plain layout whatever the head runs with (packed for the CPU kernels, see model.pack_weights)
+    state = {k: (kernels.unpack(v) if v.dim() == 4 else v).contiguous() for k, v in head.state_dict().items()}
+    for name, write in ((HEAD_FILE, lambda p: save_file(state, p)),
                         (HEAD_CONFIG, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))):
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.")
         os.close(fd)

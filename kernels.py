@@ -610,6 +610,19 @@ def load() -> bool:
     def _(x, w, scales, offsets, bias):
         return x.new_empty(x.shape[0], 4 * w.shape[0])
 
+    def linear_backward(ctx, grad):  # the input's gradient (a head's loss through a frozen, packed LM head)
+        if ctx.needs_weight_grad:
+            raise RuntimeError("eagle_fast::linear: packed weights are frozen (pack_weights is for inference)")
+        w = dequantize(unpack(ctx.packed), ctx.scales, ctx.offsets).to(grad.dtype)
+        return grad @ w, None, None, None, None
+
+    def linear_setup_context(ctx, inputs, output):
+        x, w, scales, offsets, bias = inputs
+        ctx.packed, ctx.scales, ctx.offsets = w, scales, offsets
+        ctx.needs_weight_grad = w.requires_grad or (bias is not None and bias.requires_grad)
+
+    torch.library.register_autograd("eagle_fast::linear", linear_backward, setup_context=linear_setup_context)
+
     @torch.library.register_fake("eagle_fast::attention")
     def _(q, k, v, mask):
         return q.new_empty(q.shape)  # contiguous, like the kernel's output

@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
+
 MODES = ("int8", "int4")
 GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
 
@@ -92,8 +94,9 @@ def unpack_nibbles(packed):
 # ---------------------------------------------------------------- modules
 
 class Int8Linear(nn.Module):
-    """y = (x @ q.T) * scales (+ bias). Written this way, Inductor turns it into one _weight_int8pack_mm call
-    that reads 1 byte a weight; eager runs the plain (slower) ops."""
+    """y = (x @ q.T) * scales (+ bias). On CPU, prepare() packs q for kernels.py's small-M kernel (one pass over
+    the int8 weights, each row the same whatever the number of tokens; scales in fp32). Unpacked, Inductor turns
+    this into one _weight_int8pack_mm call that reads 1 byte a weight; eager runs the plain (slower) ops."""
 
     def __init__(self, in_features, out_features, bias=False, device=None):
         super().__init__()
@@ -103,21 +106,26 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     def forward(self, x):
+        if self.weight.dim() == 4:
+            return kernels.linear(x, self.weight, self.bias, scales=self.scales)
         y = F.linear(x, self.weight.to(x.dtype)) * self.scales
         return y if self.bias is None else y + self.bias
 
 
 class Int8Embedding(nn.Module):
     """A token embedding of int8 rows with a scale per row. With tied embeddings the LM head (an Int8Linear) holds
-    the very same tensors, so the vocabulary is stored once, at 1 byte a weight."""
+    the very same tensors, so the vocabulary is stored once, at 1 byte a weight (packed, when the head is)."""
 
     def __init__(self, num_embeddings, embedding_dim, device=None):
         super().__init__()
         self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(num_embeddings, device=device))
+        self.out_dtype = None  # the activations' dtype (prepare); the scales' when None
 
     def forward(self, idx):
-        return F.embedding(idx, self.weight).to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
+        rows = kernels.packed_rows(self.weight, idx) if self.weight.dim() == 4 else F.embedding(idx, self.weight)
+        y = rows.to(self.scales.dtype) * self.scales[idx].unsqueeze(-1)
+        return y if self.out_dtype is None else y.to(self.out_dtype)
 
 
 class Int4Linear(nn.Module):
@@ -154,9 +162,11 @@ class Int4Linear(nn.Module):
         else:
             if self.padded > self.in_features:  # zero columns of x meet the padding columns of the weight
                 x2 = F.pad(x2, (0, self.padded - self.in_features))
-            # both kernels run in bf16: CUDA's takes nothing else, and the CPU one, which in torch 2.13 also takes
+            if self.layout == "packed":  # kernels.py: w = q * scale + offset, fp32 sums
+                y = kernels.linear(x2, self.weight, None, self.scales, self.offsets)
+            # torch's kernels run in bf16: CUDA's takes nothing else, and the CPU one, which in torch 2.13 also takes
             # fp32 with fp32 scales, ran a 256-token forward of the default model 10-50x slower in fp32 than in bf16
-            if self.layout == "cpu":
+            elif self.layout == "cpu":
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.weight, self.groupsize,
                                                                 self.scales_and_zeros)
             else:
@@ -165,36 +175,54 @@ class Int4Linear(nn.Module):
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def prepare(self, dtype, use_kernel=True):
-        """Scales in `dtype`, weights packed for this device's kernel. Returns None, or why it fell back."""
-        self.scales, self.zeros = self.scales.to(dtype), self.zeros.to(dtype)
+    def prepare(self, dtype, use_kernel=True, pack=True):
+        """Ready for this device: on CPU packed for kernels.py (pack), else for torch's int4 kernel; scales in
+        `dtype` (fp32 for kernels.py). Returns None, or why it fell back to dequantizing in every forward."""
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
         self.layout = "dequant"
         if not use_kernel:
+            self.scales, self.zeros = self.scales.to(dtype), self.zeros.to(dtype)
             return "not asked for"
         device, saved = self.weight.device.type, self.weight
+        scales, zeros = self.scales, self.zeros
         try:
-            packed, sz = _pack_int4(unpack_nibbles(saved), self.scales, self.zeros, device)
+            if device == "cpu" and pack and kernels.can_pack(saved):
+                # w = (q - 8) * scale + zero = q * scale + offset, in fp32
+                offsets = zeros.float() - 8 * scales.float()
+                self.layout, self.weight = "packed", kernels.pack(saved)
+                self.scales, self.offsets = scales.float().contiguous(), offsets.contiguous()
+            else:
+                self.scales, self.zeros = scales.to(dtype), zeros.to(dtype)
+                packed, sz = _pack_int4(unpack_nibbles(saved), self.scales, self.zeros, device)
+                self.layout, self.weight = device, packed
+                self.register_buffer("scales_and_zeros", sz)
             # a few inputs through the kernel vs plain dequantization of 16 rows spread over the weight: catches a
             # kernel whose layout or zero-point convention is not this file's (off by about the output's own size).
             # x has a non-zero mean: a zero point off by c * scale shifts y by c * scale * sum(x) per group
             x = (0.5 + torch.sin(torch.arange(4 * self.in_features, device=saved.device))).view(4, -1).to(dtype)
             rows = torch.arange(0, self.out_features, max(1, self.out_features // 16), device=saved.device)
-            w = dequantize_int4(unpack_nibbles(saved[rows]), self.scales[rows], self.zeros[rows])
-            ref = x.float() @ w[:, :self.in_features].float().t()
-            self.layout, self.weight = device, packed
-            self.register_buffer("scales_and_zeros", sz)
-            err = (self.forward(x)[:, rows].float() - ref).abs().max().item()
+            w = dequantize_int4(unpack_nibbles(saved[rows]), scales[rows].float(), zeros[rows].float())
+            ref = x.float() @ w[:, :self.in_features].t()
+            bias, self.bias = self.bias, None
+            try:
+                err = (self.forward(x)[:, rows].float() - ref).abs().max().item()
+            finally:
+                self.bias = bias
             why = (None if err <= 0.05 * ref.abs().max().item() + 1e-3 else
-                   f"the {device} int4 kernel disagrees with dequantization (max error {err:.3g})")
+                   f"the {self.layout} int4 kernel disagrees with dequantization (max error {err:.3g})")
         except Exception as e:  # a missing op (AttributeError), shapes or dtypes it rejects (RuntimeError), ...
             why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         if why is not None:
             self.layout, self.weight = "dequant", saved
+            self.scales, self.zeros = scales.to(dtype), zeros.to(dtype)
             self._buffers.pop("scales_and_zeros", None)
+            self.__dict__.pop("offsets", None)
             return why
-        del self.scales, self.zeros  # the packed form holds them; keeping both would cost memory
+        if self.layout == "packed":
+            del self.zeros  # the offsets replace them
+        else:
+            del self.scales, self.zeros  # the packed form holds them; keeping both would cost memory
         return None
 
 
@@ -298,19 +326,29 @@ def swap_modules(model, weights):
     return model
 
 
-def prepare(model, dtype, use_kernel=True):
-    """Ready the quantized modules for running on their current device: scales and biases in `dtype`, int4 packed
-    for the kernel. Returns {layer name: why it fell back to dequantizing} (empty when every int4 layer packed)."""
-    cast, fallbacks = {}, {}
+def prepare(model, dtype, use_kernel=True, pack=True):
+    """Ready the quantized modules for running on their current device: scales and biases in `dtype`, weights
+    packed for kernels.py on CPU (pack; inference only) or for torch's int4 kernels. Returns {layer name: why it
+    fell back to dequantizing} (empty when every int4 layer packed)."""
+    packed, cast, fallbacks = {}, {}, {}
     for name, m in model.named_modules():
-        if isinstance(m, (Int8Linear, Int8Embedding)):
-            # a tied head shares its scales with the embedding: cast each tensor once, keep them shared
-            m.scales = cast.setdefault(id(m.scales), m.scales.to(dtype))
-            if getattr(m, "bias", None) is not None:
+        if isinstance(m, Int8Linear):
+            if pack and use_kernel and m.weight.dim() == 2 and kernels.can_pack(m.weight):
+                packed[id(m.weight)] = m  # the kernel takes fp32 scales
+                m.weight, m.scales = kernels.pack(m.weight), cast.setdefault(id(m.scales), m.scales.float().contiguous())
+            else:  # a tied head shares its scales with the embedding: cast each tensor once, keep them shared
+                m.scales = cast.setdefault(id(m.scales), m.scales.to(dtype))
+            if m.bias is not None:
                 m.bias = m.bias.to(dtype)
         elif isinstance(m, Int4Linear) and m.layout == "file":
-            if (why := m.prepare(dtype, use_kernel)) is not None:
+            if (why := m.prepare(dtype, use_kernel, pack)) is not None:
                 fallbacks[name] = why
+    for m in model.modules():  # an int8 embedding follows its tied LM head, and yields the activations' dtype
+        if isinstance(m, Int8Embedding):
+            head = packed.get(id(m.weight))
+            m.weight, m.scales = (head.weight, head.scales) if head else (m.weight, cast.setdefault(id(m.scales),
+                                                                                                     m.scales.to(dtype)))
+            m.out_dtype = dtype
     if fallbacks and use_kernel:
         first = next(iter(fallbacks.items()))
         print(f"int4: {len(fallbacks)} layers run without the packed kernel (e.g. {first[0]}: {first[1]}); "
@@ -375,7 +413,7 @@ def load_quantized(model, checkpoint_dir, config, name, device, dtype, pack=True
         model.output.weight = model.tok_embeddings.weight
         if isinstance(model.tok_embeddings, Int8Embedding):
             model.output.scales = model.tok_embeddings.scales
-    prepare(model, dtype)
+    prepare(model, dtype, pack=pack)
     return model
 
 
@@ -408,7 +446,8 @@ def quantize_checkpoint(checkpoint_dir, mode, groupsize=None, quantize_head=Fals
     from generate import load_model, read_config
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
-    model = quantize_model(load_model(checkpoint_dir, "cpu", torch.float32), mode, groupsize, quantize_head, pad)
+    model = quantize_model(load_model(checkpoint_dir, "cpu", torch.float32, pack=False), mode, groupsize, quantize_head,
+                           pad)
     name = quant_name(mode, groupsize, quantize_head)
     padded = sum(isinstance(m, Int4Linear) and m.padded > m.in_features for m in model.modules())
     entry = {"mode": mode, "groupsize": groupsize, "head": "int8" if quantize_head else None,

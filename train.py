@@ -389,7 +389,7 @@ def fit(args):
     torch.manual_seed(args.seed)
     out = Path(args.out)
     checkpoint = run_checkpoint(args.checkpoint, out)
-    target = load_model(checkpoint, args.device, torch.float32)
+    target = load_model(checkpoint, args.device, torch.float32, pack=False)  # the loss backpropagates through its LM head
     for p in target.parameters():
         p.requires_grad_(False)
     train_seqs, val_seqs = load_features(out)

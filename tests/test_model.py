@@ -125,22 +125,19 @@ def test_real_model_perplexity_and_logits_match_transformers(real_model, hf_refe
         assert abs(row.double().logsumexp(0).item() - want["logsumexp"]) < 2e-4
 
 
-def test_wrong_rope_layout_is_caught(real_model, hf_reference):
+def test_wrong_rope_layout_is_caught(default_checkpoint, hf_reference):
     """Permuting Q/K as if the GGUF were in HF's rotate-half layout still gives fluent-ish logits, but the
     perplexity check above would fail by a wide margin."""
+    from generate import load_model
     ids = hf_reference["text"]["ids"]
-    saved = [layer.attention.wqkv.weight.data.clone() for layer in real_model.layers]
-    try:
-        for layer in real_model.layers:
-            att = layer.attention
-            w = att.wqkv.weight.data
-            qk = (att.n_head + att.n_local_heads) * att.head_dim
-            heads = w[:qk].view(-1, att.head_dim // 2, 2, w.shape[1])
-            w[:qk] = heads.transpose(1, 2).reshape(qk, w.shape[1])  # interleaved -> rotate-half
-        nll = F.cross_entropy(_real_logits(real_model, ids)[:-1].double(), torch.tensor(ids[1:])).item()
-    finally:
-        for layer, w in zip(real_model.layers, saved):
-            layer.attention.wqkv.weight.data.copy_(w)
+    model = load_model(default_checkpoint, "cpu", torch.float32, pack=False)  # weights edited in place below
+    for layer in model.layers:
+        att = layer.attention
+        w = att.wqkv.weight.data
+        qk = (att.n_head + att.n_local_heads) * att.head_dim
+        heads = w[:qk].view(-1, att.head_dim // 2, 2, w.shape[1])
+        w[:qk] = heads.transpose(1, 2).reshape(qk, w.shape[1])  # interleaved -> rotate-half
+    nll = F.cross_entropy(_real_logits(model, ids)[:-1].double(), torch.tensor(ids[1:])).item()
     assert nll > hf_reference["text"]["mean_nll"] + 0.1
 
 
@@ -165,18 +162,26 @@ def test_small_attention_equals_sdpa_with_any_mask(n_kv):
     torch.testing.assert_close(small_attention(q, k, v, mask[None, None]), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_short_queries_use_the_matmul_attention_and_agree_with_sdpa(monkeypatch):
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_short_queries_use_the_small_attention_and_agree_with_sdpa(monkeypatch, use_kernel):
+    import kernels
     import model as model_module
+    if use_kernel and not kernels.load():
+        pytest.skip("the C++ kernels are not available here")
     model = make_tiny_model()
     model.setup_caches(1, 64)
     ids = torch.randint(0, model.config.vocab_size, (1, 20))
     calls = []
-    real = model_module.small_attention
-    monkeypatch.setattr(model_module, "small_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    path = (kernels, "attention") if use_kernel else (model_module, "small_attention")
+    real = getattr(*path)
+    monkeypatch.setattr(*path, lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    if not use_kernel:
+        monkeypatch.setattr(kernels, "MAX_M", 0)
     with torch.no_grad():
         model(ids[:, :12], torch.arange(12))
         fast = torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(12, 20)], 1)
-        assert set(calls) == {12, 1}  # the prefill and every decode step: both within SMALL_T
+        assert set(calls) == {12, 1}  # the prefill and every decode step: both short
+        monkeypatch.setattr(kernels, "MAX_M", 0)
         monkeypatch.setattr(model_module, "SMALL_T", 0)  # SDPA everywhere
         model(ids[:, :12], torch.arange(12))
         slow = torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(12, 20)], 1)

@@ -9,9 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import generate as gen
+import kernels
 import quantize as Q
 from conftest import make_tiny_model
-from model import Linear
+from model import Embedding, Linear
 from eagle_head import load_head, random_head, save_head, target_info
 from generate import Drafter, generate, load_model
 
@@ -83,14 +84,19 @@ def test_nibble_packing_round_trip_and_order():
 
 # ---------------------------------------------------------------- kernels
 
+LAYOUTS = ["packed", "cpu"] if kernels.load() else ["cpu"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("K, groupsize", [(256, 32), (256, 64), (256, 128), (256, 256), (576, 128), (576, 256)])
-def test_int4_cpu_kernel_matches_dequantized_matmul(K, groupsize):
-    """File form -> _convert_weight_to_int4pack_for_cpu -> _weight_int4pack_mm_for_cpu equals x @ dequantized.T
-    within bf16 rounding; a wrong zero-point convention or nibble order would be off by ~100%. 576 is padded."""
+def test_int4_cpu_kernel_matches_dequantized_matmul(K, groupsize, layout):
+    """File form -> kernels.py's packed kernel, or _convert_weight_to_int4pack_for_cpu -> _weight_int4pack_mm_for_cpu,
+    equals x @ dequantized.T within bf16 rounding; a wrong zero-point convention or nibble order would be off by
+    ~100%. 576 is padded."""
     _, layer = int4_layer(K, 64, groupsize)
     ref_w = layer.dequantize()  # (q - 8) * scale + zero, fp32
     assert ref_w.shape == (64, K)
-    assert layer.prepare(torch.bfloat16) is None and layer.layout == "cpu"
+    assert layer.prepare(torch.bfloat16, pack=layout == "packed") is None and layer.layout == layout
     x = torch.randn(3, 5, K)
     y = layer(x)
     ref = x @ ref_w.t()
@@ -98,10 +104,11 @@ def test_int4_cpu_kernel_matches_dequantized_matmul(K, groupsize):
     assert (y - ref).abs().max() <= 0.01 * ref.abs().max()  # bf16 activations and scales: ~3 significant digits
 
 
-def test_int4_kernel_and_fallback_agree():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_int4_kernel_and_fallback_agree(layout):
     _, a = int4_layer(256, 64, 32)
     b = copy.deepcopy(a)
-    assert a.prepare(torch.bfloat16) is None and a.layout == "cpu"
+    assert a.prepare(torch.bfloat16, pack=layout == "packed") is None and a.layout == layout
     assert b.prepare(torch.bfloat16, use_kernel=False) is not None and b.layout == "dequant"
     x = torch.randn(7, 256, dtype=torch.bfloat16)
     ya, yb = a(x).float(), b(x).float()
@@ -153,11 +160,11 @@ def test_quantize_main_writes_a_checkpoint_that_generate_loads(tmp_path, capsys,
     model = load_model(ckpt, quantization=name)
     want = Q.Int8Linear if mode == "int8" else Q.Int4Linear
     assert all(type(m) is want for _, m in Q.linear_layers(model))
-    assert all(m.layout == "cpu" for m in model.modules() if isinstance(m, Q.Int4Linear))
+    assert all(m.layout == LAYOUTS[0] for m in model.modules() if isinstance(m, Q.Int4Linear))
     assert type(model.output) is (Q.Int8Linear if head else Linear)
     if model.config.tie_embeddings:  # one table, not two
         assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
-        assert type(model.tok_embeddings) is (Q.Int8Embedding if head else nn.Embedding)
+        assert type(model.tok_embeddings) is (Q.Int8Embedding if head else Embedding)
     # the file holds exactly what quantizing in memory gives: the same tokens
     in_memory = quantized(make_tiny_model(**overrides), mode, groupsize, quantize_head=head)
     tokens = greedy(model, [1, 2, 3])
@@ -168,7 +175,8 @@ def test_quantized_head_on_an_untied_model_keeps_a_float_embedding(tmp_path):
     ckpt = save_checkpoint(make_tiny_model(), tmp_path / "ckpt")
     Q.main(["--checkpoint", str(ckpt), "--mode", "int8", "--quantize_head"])
     model = load_model(ckpt, quantization="int8.head8")
-    assert type(model.tok_embeddings) is nn.Embedding and type(model.output) is Q.Int8Linear
+    assert type(model.tok_embeddings) is Embedding and type(model.output) is Q.Int8Linear
+    assert model.tok_embeddings.weight.dim() == 2  # the float embedding is not tied to the packed int8 head
 
 
 def run_cli(main, argv, capsys):
@@ -200,7 +208,7 @@ def test_groupsize_not_dividing_a_dim_can_be_padded(tmp_path):
     Q.main(["--checkpoint", str(ckpt), "--mode", "int4", "--groupsize", "256", "--pad"])
     model = load_model(ckpt, quantization="int4.g256")
     wqkv, w2 = model.layers[0].attention.wqkv, model.layers[0].feed_forward.w2
-    assert (wqkv.in_features, wqkv.padded, w2.padded) == (128, 256, 256) and wqkv.layout == "cpu"
+    assert (wqkv.in_features, wqkv.padded, w2.padded) == (128, 256, 256) and wqkv.layout == LAYOUTS[0]
     assert json.loads((ckpt / "config.json").read_text())["quantized"]["int4.g256"]["padded_layers"] == 8
     assert greedy(model, [4, 5]) == greedy(quantized(make_tiny_model(**WIDE), "int4", 256, pad=True), [4, 5])
 
@@ -221,16 +229,18 @@ def test_generate_cli_quant_errors(tmp_path, capsys):
 def test_int4_falls_back_when_the_kernel_is_missing_or_fails(tmp_path, capsys, monkeypatch):
     ckpt = save_checkpoint(make_tiny_model(), tmp_path / "ckpt")
     Q.main(["--checkpoint", str(ckpt), "--mode", "int4"])
-    want = greedy(load_model(ckpt, quantization="int4.g32"), [1, 2, 3])
+    want = greedy(load_model(ckpt, quantization="int4.g32", pack=False), [1, 2, 3])
     capsys.readouterr()
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("_weight_int4pack_mm_cpu : not built for this CPU")
 
-    for name, value in [("_weight_int4pack_mm_for_cpu", broken), ("_convert_weight_to_int4pack_for_cpu", None)]:
+    for module, name, value in [(torch.ops.aten, "_weight_int4pack_mm_for_cpu", broken),
+                                (torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None),
+                                (kernels, "linear", broken)]:
         with monkeypatch.context() as m:
-            m.setattr(torch.ops.aten, name, value)
-            model = load_model(ckpt, quantization="int4.g32")
+            m.setattr(module, name, value)
+            model = load_model(ckpt, quantization="int4.g32", pack=module is kernels)
         err = capsys.readouterr().err
         layers = [m for m in model.modules() if isinstance(m, Q.Int4Linear)]
         assert layers and all(m.layout == "dequant" for m in layers)
@@ -247,7 +257,12 @@ def test_int4_kernel_that_disagrees_is_not_used(monkeypatch):
 
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", other_convention)
     _, layer = int4_layer()
-    assert "disagrees with dequantization" in layer.prepare(torch.bfloat16) and layer.layout == "dequant"
+    assert "disagrees with dequantization" in layer.prepare(torch.bfloat16, pack=False) and layer.layout == "dequant"
+    if kernels.load():  # the same for kernels.py's kernel, here with the offsets off by 8 scales
+        real_linear = kernels.linear
+        monkeypatch.setattr(kernels, "linear", lambda x, w, b, s, o: real_linear(x, w, b, s, o + 8 * s))
+        _, layer = int4_layer()
+        assert "disagrees with dequantization" in layer.prepare(torch.bfloat16) and layer.layout == "dequant"
 
 
 @pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
