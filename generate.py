@@ -102,6 +102,9 @@ def compile_steps():
     """torch.compile what runs every step, like gpt-fast: the plain decode step and the EAGLE cycle (draft and
     verification in one graph: one compiled call, one guard check and one host sync per cycle). Static shapes."""
     global decode_one_token, eagle_cycle
+    # Round bf16 values where eager rounds them. Without this Inductor keeps fused intermediates in fp32 and fuses
+    # differently for 1 token and for a tree, and bf16 EAGLE parts from plain decoding within a few dozen tokens.
+    torch._inductor.config.emulate_precision_casts = True
     decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False)
     eagle_cycle = torch.compile(eagle_cycle, fullgraph=True, dynamic=False)
 
