@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-from model import KVCache, Linear, ModelArgs, TransformerBlock, linear, pack_weights, precompute_freqs_cis
+from model import (KVCache, Linear, ModelArgs, TransformerBlock, args_from_hf_config, linear, pack_weights,
+                   permute_rotate_half, precompute_freqs_cis)
+from quantize import HEAD_CONFIG, HEAD_FILE, prepare, swap_modules  # noqa: F401 (the project layout's names)
 
-HEAD_FILE, HEAD_CONFIG = "head.safetensors", "head_config.json"
 
 # EAGLE-1's default tree for 7B models: each path lists child ranks (0 = the draft's top-1) from the root.
 # 25 draft nodes + the root = 26, depth 5.
@@ -330,7 +331,6 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
     head = EagleHead(args, bias=bias, draft_vocab_size=len(weights.get("draft_vocab", ())))
     quantized = any(k.endswith(".scales") for k in weights)
     if quantized:  # written by quantize.py: swap in the modules its tensors call for
-        from quantize import swap_modules
         swap_modules(head, weights)
     expected = head.state_dict()
     missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
@@ -346,7 +346,6 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
     # load_state_dict copies into the module's own (fp32) tensors: cast afterwards to the requested dtype
     head = (head.to(device) if quantized else head.to(device=device, dtype=dtype)).eval()
     if quantized:  # on its device first: int4 packs for that device's kernel
-        from quantize import prepare
         prepare(head, dtype)
     return head.attach(target)
 
@@ -382,7 +381,6 @@ OFFICIAL_KEYS = {"fc.weight": "fc.weight", "fc.bias": "fc.bias",
 def _official_head(path: Path, target):
     """The layout the EAGLE authors publish: an HF LLaMA config with one layer, HF key names and HF's
     rotate-half Q/K layout (permuted here like the target's conversion)."""
-    from scripts.convert_hf_checkpoint import args_from_hf_config, permute_rotate_half
     hf = _read_json(path / "config.json")
     try:
         args = args_from_hf_config(hf)

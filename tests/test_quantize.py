@@ -160,7 +160,9 @@ def test_quantize_main_writes_a_checkpoint_that_generate_loads(tmp_path, capsys,
     model = load_model(ckpt, quantization=name)
     want = Q.Int8Linear if mode == "int8" else Q.Int4Linear
     assert all(type(m) is want for _, m in Q.linear_layers(model))
-    assert all(m.layout == LAYOUTS[0] for m in model.modules() if isinstance(m, Q.Int4Linear))
+    # kernels.py takes int4 layers whose input dim is a multiple of 64 (every LLaMA's; not the tiny model's 160)
+    assert all(m.layout == (LAYOUTS[0] if m.padded % 64 == 0 else "cpu") for m in model.modules()
+               if isinstance(m, Q.Int4Linear))
     assert type(model.output) is (Q.Int8Linear if head else Linear)
     if model.config.tie_embeddings:  # one table, not two
         assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
@@ -227,7 +229,7 @@ def test_generate_cli_quant_errors(tmp_path, capsys):
 
 
 def test_int4_falls_back_when_the_kernel_is_missing_or_fails(tmp_path, capsys, monkeypatch):
-    ckpt = save_checkpoint(make_tiny_model(), tmp_path / "ckpt")
+    ckpt = save_checkpoint(make_tiny_model(**WIDE), tmp_path / "ckpt")  # every input dim a multiple of 64
     Q.main(["--checkpoint", str(ckpt), "--mode", "int4"])
     want = greedy(load_model(ckpt, quantization="int4.g32", pack=False), [1, 2, 3])
     capsys.readouterr()
