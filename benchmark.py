@@ -318,8 +318,6 @@ def main(argv=None):
         methods = {}
         for s in specs:
             name, weights = parse_method(s, args.dtype)
-            if name.startswith("eagle") and weights.endswith(".head8") and not args.no_compile:
-                raise ValueError(f"{s}: compiled EAGLE with an int8 LM head crashes (known issue); use --no_compile")
             methods[f"{name}@{weights}" if name != "llama.cpp" else name] = (name, weights)
     except ValueError as e:
         die(e)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-from model import (KVCache, Linear, ModelArgs, TransformerBlock, args_from_hf_config, linear, pack_weights,
+from model import (KVCache, Linear, ModelArgs, TransformerBlock, aligned, args_from_hf_config, linear, pack_weights,
                    permute_rotate_half, precompute_freqs_cis)
 from quantize import HEAD_CONFIG, HEAD_FILE, prepare, swap_modules  # noqa: F401 (the project layout's names)
 
@@ -365,7 +365,7 @@ def _load_weights(path):
     try:
         if str(path).endswith(".bin"):
             return torch.load(path, map_location="cpu", weights_only=True)
-        return load_file(str(path))
+        return {k: aligned(v) for k, v in load_file(str(path)).items()}
     except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as e:
         raise ValueError(f"corrupt draft head weights {path}: {e}") from None
 

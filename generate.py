@@ -7,18 +7,23 @@
 import argparse
 import itertools
 import json
+import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+import kernels
+
 from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, load_head, random_head,
                         tree_ancestors, tree_attention_mask, tree_from_paths)
 from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, default_checkpoint,  # noqa: F401
                    default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
 from quantize import load_quantized
+from tp import init_distributed, shard_model
 from tokenizer import apply_chat_template, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent
@@ -98,15 +103,19 @@ def guards_checked_once(calls_so_far: int):
     return torch.compiler.set_stance(skip_guard_eval_unsafe=calls_so_far > 0)
 
 
-def compile_steps():
+def compile_steps(device="cpu"):
     """torch.compile what runs every step, like gpt-fast: the plain decode step and the EAGLE cycle (draft and
-    verification in one graph: one compiled call, one guard check and one host sync per cycle). Static shapes."""
-    global decode_one_token, eagle_cycle
+    verification in one graph: one compiled call, one guard check and one host sync per cycle). Static shapes; on
+    CUDA the graphs replay as CUDA graphs (mode="reduce-overhead"). Compiled code is cached on disk."""
+    global decode_one_token, decode_batch_step, eagle_cycle
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor-cache"))
     # Round bf16 values where eager rounds them. Without this Inductor keeps fused intermediates in fp32 and fuses
     # differently for 1 token and for a tree, and bf16 EAGLE parts from plain decoding within a few dozen tokens.
     torch._inductor.config.emulate_precision_casts = True
-    decode_one_token = torch.compile(decode_one_token, fullgraph=True, dynamic=False)
-    eagle_cycle = torch.compile(eagle_cycle, fullgraph=True, dynamic=False)
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
+    decode_batch_step = torch.compile(decode_batch_step, mode=mode, fullgraph=True, dynamic=False)
+    eagle_cycle = torch.compile(eagle_cycle, mode=mode, fullgraph=True, dynamic=False)
 
 
 @torch.no_grad()
@@ -130,6 +139,60 @@ def generate(model, prompt, max_new_tokens, stop_ids=(), callback=lambda t: None
                                stop_ids, callback, **sampling)
         tokens += [int(t) for t in torch.cat(rest).view(-1).tolist()]
     return tokens, {"target_forwards": len(tokens) - 1}
+
+
+# ---------------------------------------------------------------- batched decoding
+
+def batch_mask(pad, positions, S: int):
+    """(B, T, S): row b at cache slot p sees slots pad[b]..p, never another row's padding; a padding position sees
+    only itself (so its attention stays finite)."""
+    slots = torch.arange(S, device=pad.device)
+    seen = (slots[None, None, :] >= pad[:, None, None]) & (slots[None, None, :] <= positions[None, :, None])
+    return seen | (slots[None, None, :] == positions[None, :, None])
+
+
+def decode_batch_step(model, cur_tokens, input_pos, pad, **sampling):
+    # cur_tokens (B, 1) at cache slot input_pos (1,); row b is at position input_pos - pad[b] of its own sequence
+    mask = batch_mask(pad, input_pos, model.max_seq_length)
+    logits = model(cur_tokens, input_pos, mask=mask, rope_pos=(input_pos[None, :] - pad[:, None]).clamp(min=0))
+    return sample(logits[:, -1], **sampling)
+
+
+@torch.no_grad()
+def generate_batch(model, prompts, max_new_tokens, stop_ids=(), **sampling):
+    """B prompts of any lengths decoded together from the static cache (setup_caches(B, ...) first): left-padded to
+    the longest, each row with its own RoPE positions and a mask that hides the padding, so a row decodes as it
+    would alone (bit for bit on the CPU kernels). A row stops at a stop id or after max_new_tokens; the batch runs
+    until all have. Returns B lists of new token ids, each as generate() would return it."""
+    B, T, S = len(prompts), max(len(p) for p in prompts), model.max_seq_length
+    device = model.norm.weight.device
+    if B > model.max_batch_size:
+        raise ValueError(f"{B} prompts but the KV cache was set up for a batch of {model.max_batch_size}")
+    if T >= S:
+        raise ValueError(f"a prompt of {T} tokens does not fit the KV cache of {S}")
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("empty prompt")
+    budget = min(max_new_tokens, S - T)
+    pad = torch.tensor([T - len(p) for p in prompts], device=device)
+    x = torch.zeros(B, T, dtype=torch.int, device=device)
+    for b, p in enumerate(prompts):
+        x[b, T - len(p):] = torch.as_tensor(p, dtype=torch.int)
+    positions = torch.arange(T, device=device)
+    logits = model(x, positions, mask=batch_mask(pad, positions, S),
+                   rope_pos=(positions[None, :] - pad[:, None]).clamp(min=0), last_logits_only=True)
+    cur, input_pos = sample(logits[:, -1], **sampling), torch.tensor([T], device=device)
+    out, done = [[] for _ in range(B)], [False] * B
+    for i in range(budget):
+        for b, t in enumerate(cur.view(-1).tolist()):  # the one host sync per step
+            if not done[b]:
+                out[b].append(t)
+                done[b] = t in stop_ids
+        if all(done) or i == budget - 1:
+            break
+        with guards_checked_once(i):
+            cur = decode_batch_step(model, cur, input_pos, pad, **sampling).clone()
+        input_pos += 1
+    return out
 
 
 # ---------------------------------------------------------------- speculative decoding (EAGLE)
@@ -253,8 +316,9 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
             plain_steps += 1
         else:
             with guards_checked_once(cycles):
-                next_tokens, next_features, n_accepted, start, out = eagle_cycle(
-                    model, drafter, next_features, next_tokens, start, n_accepted, **sampling)
+                state = eagle_cycle(model, drafter, next_features, next_tokens, start, n_accepted, **sampling)
+            # fed back in next cycle: copies, since a CUDA graph's replay overwrites the previous one's outputs
+            next_tokens, next_features, n_accepted, start, out = (t.clone() for t in state)
             out = out.tolist()  # the one host sync per cycle
             new = out[1:out[0] + 2]
             cycles += 1
@@ -298,16 +362,20 @@ def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, n
 
 # ---------------------------------------------------------------- checkpoints
 
-def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=None, pack=True):
+def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=None, pack=True, tp=(0, 1)):
     """The one front door for a target model: a Transformer with the checkpoint's weights in `dtype` on `device`,
     in eval mode. quantization: None for the float weights, or the name of a quantized variant quantize.py wrote
     ("int8", "int4.g32", ...); then the file's tensors decide the module swaps, and `dtype` is that of the
     activations, scales and float weights. pack: re-lay the weights for the CPU's small-M kernels
-    (model.pack_weights; inference only, no gradients)."""
+    (model.pack_weights; inference only, no gradients). tp: (rank, world size): this process's tensor-parallel
+    share (tp.py)."""
+    shard = (lambda m: shard_model(m, *tp)) if tp[1] > 1 else None
     if quantization is None:
         model = load_checkpoint(checkpoint_dir, device, dtype)
+        if shard is not None:
+            shard(model)
     else:
-        model = load_quantized(checkpoint_dir, quantization, device, dtype, pack=pack)
+        model = load_quantized(checkpoint_dir, quantization, device, dtype, pack=pack, shard=shard)
     if pack:
         pack_weights(model)
     return model.eval()
@@ -362,17 +430,24 @@ def build_parser():
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="KV cache length (default: prompt + max_new_tokens, rounded up; 2048 interactive)")
     p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=1,
+                   help="decode this many copies of the prompt at once (plain decoding; sampled rows differ)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-turn ids (for timing)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16, or auto: the fastest exact one here (bfloat16 on CUDA and on CPUs "
+                        "the small-M kernels run; float32 without them)")
     p.add_argument("--quant", default=None,
                    help="load a quantized variant written by quantize.py: int8, int4.g32 (g64, g128, g256), with "
                         ".head8 when the LM head is int8 too (default: the float weights)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (static shapes, fullgraph)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step and the EAGLE cycle (static shapes, fullgraph; CUDA graphs on CUDA). "
+                        "Default: on where a C++ compiler is found; the first run compiles for ~1-2 minutes, later "
+                        "runs reuse the cache in $TORCHINDUCTOR_CACHE_DIR (default: .inductor-cache here)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
     p.add_argument("--draft", default=None,
                    help="EAGLE head directory (project or official layout), 'random' for an untrained head, or "
@@ -394,8 +469,8 @@ def build_parser():
 
 def check_args(args):
     """Every bad input becomes one clear message (and exit code 2), before any work is done."""
-    if args.dtype not in DTYPES:
-        return f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}"
+    if args.dtype not in DTYPES and args.dtype != "auto":
+        return f"unknown --dtype {args.dtype!r}; choose from auto, {', '.join(DTYPES)}"
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -408,6 +483,10 @@ def check_args(args):
         return f"--max_new_tokens must be at least 1, got {args.max_new_tokens}"
     if args.num_samples < 1:
         return f"--num_samples must be at least 1, got {args.num_samples}"
+    if args.batch_size < 1:
+        return f"--batch_size must be at least 1, got {args.batch_size}"
+    if args.batch_size > 1 and (args.interactive or args.draft not in (None, "none")):
+        return "--batch_size decodes plainly, one prompt repeated: drop --interactive and --draft (or --draft none)"
     if not args.temperature >= 0:
         return f"--temperature must be >= 0, got {args.temperature}"
     if not 0 < args.top_p <= 1:
@@ -479,6 +558,24 @@ def timed_drafter(model, drafter, args, prompt_ids):
     return Drafter(drafter.head, "dynamic", args.depth, args.draft_top_k, best)
 
 
+def fastest_dtype(device) -> str:
+    """--dtype auto: bfloat16 on CUDA, and on CPUs where kernels.py runs (its bf16 rows equal one-token steps bit for
+    bit, so EAGLE stays exact, and bf16 weights halve the bytes a step reads); float32 where it cannot build."""
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if kernels.load() else "float32"
+
+
+def resolve_defaults(args):
+    """--dtype auto and --compile unset become what runs fastest here."""
+    if args.dtype == "auto":
+        args.dtype = fastest_dtype(args.device)
+    if args.compile is None:  # torch.compile on CPU needs a C++ compiler
+        args.compile = torch.device(args.device).type == "cuda" or any(
+            shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++"))
+    return args
+
+
 def die(msg):
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
@@ -489,19 +586,23 @@ def main(argv=None):
     if (msg := check_args(args)) is not None:
         die(msg)
     torch.manual_seed(args.seed)
+    resolve_defaults(args)
     device, dtype = args.device, DTYPES[args.dtype]
+    try:
+        rank, world = init_distributed(device)  # under torchrun: this process's share of a tensor-parallel model
+    except (RuntimeError, ValueError) as e:
+        die(f"could not join the process group: {e}")
+    if rank:  # every process computes the same tokens; one prints them
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         checkpoint = args.checkpoint or default_checkpoint()
         t0 = time.perf_counter()
-        model = load_model(checkpoint, device, dtype, quantization=args.quant)
+        model = load_model(checkpoint, device, dtype, quantization=args.quant, tp=(rank, world))
         tokenizer = get_tokenizer(checkpoint)
         drafter = load_drafter(args, model, Path(checkpoint).resolve())
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         die(e)
     config = model.checkpoint_config
-    if args.compile and drafter is not None and args.quant and args.quant.endswith(".head8"):
-        die(f"--compile with a draft head on {args.quant} weights is not supported: the compiled verification step "
-            "crashes with an int8 LM head (known issue); drop --compile, --draft none, or use a variant without .head8")
     if tokenizer.vocab_size > model.config.vocab_size:
         die(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}")
     print(f"Loaded {checkpoint} ({args.dtype}{', ' + args.quant if args.quant else ''}) "
@@ -517,16 +618,20 @@ def main(argv=None):
         return tokenizer.encode(text)
 
     drafter = timed_drafter(model, drafter, args, encode(args.prompt))
+    if args.batch_size > 1:
+        drafter = None
 
     global prefill
     if args.compile:
-        compile_steps()
+        compile_steps(device)
     if args.compile_prefill:
         prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
 
     messages = []
     size = model_size_bytes(model)
-    metrics_file = open(args.metrics_json, "w") if args.metrics_json else None
+    if args.batch_size > 1:
+        return run_batch(args, model, tokenizer, encode(args.prompt), stop_ids, sampling, size)
+    metrics_file = open(args.metrics_json, "w") if args.metrics_json and rank == 0 else None
     for i in range(sys.maxsize if args.interactive else args.num_samples):
         text = args.prompt
         if args.interactive:
@@ -592,6 +697,29 @@ def main(argv=None):
             metrics_file.flush()
     if metrics_file:
         metrics_file.close()
+
+
+def run_batch(args, model, tokenizer, prompt_ids, stop_ids, sampling, size):
+    """--batch_size B: B copies of the prompt decoded together; prints each row and the batch's tokens/s."""
+    B, device = args.batch_size, args.device
+    cache = min(args.max_seq_length or -(-(len(prompt_ids) + args.max_new_tokens) // 64) * 64, model.config.block_size)
+    if len(prompt_ids) >= cache:
+        die(f"prompt of {len(prompt_ids)} tokens does not fit the KV cache of {cache} tokens (--max_seq_length)")
+    with torch.device(device):
+        model.setup_caches(max_batch_size=B, max_seq_length=cache)
+    if args.compile:  # compile outside the timed run
+        t0 = time.perf_counter()
+        generate_batch(model, [prompt_ids] * B, args.max_new_tokens, stop_ids, **sampling)
+        print(f"Compilation and warm-up: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    t0 = time.perf_counter()
+    rows = generate_batch(model, [prompt_ids] * B, args.max_new_tokens, stop_ids, **sampling)
+    seconds = time.perf_counter() - t0
+    for b, row in enumerate(rows):
+        print(f"[row {b}] {tokenizer.decode([t for t in row if t not in stop_ids])}")
+    n = sum(len(r) for r in rows)
+    print(f"[batch of {B}] {n} tokens in {seconds:.2f} s: {n / seconds:.2f} tokens/s "
+          f"({max(len(r) for r in rows)} steps, {size * max(len(r) for r in rows) / seconds / 1e9:.2f} GB/s of weights), "
+          f"peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -552,7 +552,7 @@ void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int
     scores[n] = _mm512_reduce_add_ps(acc) * scale;
     slots[n++] = s;
   }
-  const float inv = 1.0f / softmax_numerators512(scores, n);
+  const float inv = n ? 1.0f / softmax_numerators512(scores, n) : 0.0f;
   for (int64_t d = 0; d < D; d += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i++) acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[i]), vload512(v + slots[i] * D + d), acc);
@@ -580,7 +580,7 @@ void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int
     scores[n] = reduce1_256(acc) * scale;
     slots[n++] = s;
   }
-  const float inv = 1.0f / softmax_numerators256(scores, n);
+  const float inv = n ? 1.0f / softmax_numerators256(scores, n) : 0.0f;
   for (int64_t d = 0; d < D; d += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[i]), vload256(v + slots[i] * D + d), acc);
@@ -592,35 +592,39 @@ void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int
 template <typename E>
 void attention_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                     at::Tensor& outf, int level) {
-  const int64_t H = qf.size(0), T = qf.size(1), D = qf.size(2), n_kv = k.size(0), S = k.size(1);
-  const int64_t group = H / n_kv;
+  const int64_t B = qf.size(0), H = qf.size(1), T = qf.size(2), D = qf.size(3), n_kv = k.size(1), S = k.size(2);
+  const int64_t group = H / n_kv, mask_batch = mask.size(0);
   const float scale = 1.0f / std::sqrt((float)D);
   const float* q = qf.data_ptr<float>();
   const E* kp = (const E*)k.data_ptr();
   const E* vp = (const E*)v.data_ptr();
   const bool* mp = mask.data_ptr<bool>();
   float* o = outf.data_ptr<float>();
-  at::parallel_for(0, H * T, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> scores(S);
     std::vector<int64_t> slots(S);
-    for (int64_t r = r0; r < r1; r++) {
-      const int64_t h = r / T, t = r % T, g = h / group;
+    for (int64_t r = r0; r < r1; r++) {  // r = (b * H + h) * T + t
+      const int64_t t = r % T, h = (r / T) % H, b = r / (T * H);
+      const int64_t kv = (b * n_kv + h / group) * S * D;
+      const bool* row_mask = mp + ((mask_batch > 1 ? b : 0) * T + t) * S;
       if (level >= AVX512)
-        attend_row512<E>(q + r * D, kp + g * S * D, vp + g * S * D, mp + t * S, S, D, scale, scores.data(), slots.data(), o + r * D);
+        attend_row512<E>(q + r * D, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), o + r * D);
       else
-        attend_row256<E>(q + r * D, kp + g * S * D, vp + g * S * D, mp + t * S, S, D, scale, scores.data(), slots.data(), o + r * D);
+        attend_row256<E>(q + r * D, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), o + r * D);
     }
   });
 }
 
+// q (B, H, T, D), k and v (B, n_kv, S, D), mask (1 or B, T, S): every query row attends to the slots its mask row
+// holds, in slot order, softmax in fp32; a row that sees no slot gets zeros
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && mask.dim() == 2, "eagle_fast::attention: bad ranks");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "eagle_fast::attention: bad ranks");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "eagle_fast::attention: dtypes differ");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "eagle_fast::attention: fp32 or bf16");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == q.size(1) && mask.size(1) == k.size(1),
-              "eagle_fast::attention: mask must be bool (T, S)");
-  TORCH_CHECK(q.size(0) % k.size(0) == 0 && q.size(2) == k.size(2) && v.sizes() == k.sizes() && q.size(2) % 16 == 0,
-              "eagle_fast::attention: shapes do not match");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && (mask.size(0) == 1 || mask.size(0) == q.size(0)) &&
+              mask.size(1) == q.size(2) && mask.size(2) == k.size(2), "eagle_fast::attention: mask must be bool (1 or B, T, S)");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) % k.size(1) == 0 && q.size(3) == k.size(3) && v.sizes() == k.sizes() &&
+              q.size(3) % 16 == 0, "eagle_fast::attention: shapes do not match");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::attention: this CPU has no AVX2");
   at::Tensor qf = q.to(at::kFloat).contiguous();
@@ -748,15 +752,15 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None
 
 
 def attention_takes(q: Tensor, k: Tensor) -> bool:
-    """Whether the attention kernel takes these: CPU, batch 1, at most MAX_M queries, head_dim % 16 == 0."""
-    return (q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] <= MAX_M and q.shape[-1] % 16 == 0
+    """Whether the attention kernel takes these: CPU, at most MAX_M queries, head_dim % 16 == 0, fp32 or bf16."""
+    return (q.device.type == "cpu" and q.shape[2] <= MAX_M and q.shape[-1] % 16 == 0
             and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and load())
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """q (1, H, T, D), k and v (1, n_kv, S, D), mask (T, S) bool -> (1, H, T, D): each query row over the slots it
-    sees, in slot order, softmax in fp32."""
-    return torch.ops.eagle_fast.attention(q[0], k[0], v[0], mask)[None]
+    """q (B, H, T, D), k and v (B, n_kv, S, D), mask (1 or B, T, S) bool -> (B, H, T, D): each query row over the
+    slots it sees, in slot order, softmax in fp32."""
+    return torch.ops.eagle_fast.attention(q, k, v, mask)
 
 
 # ---------------------------------------------------------------- the pure-PyTorch reference
@@ -781,9 +785,9 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """What eagle_fast::attention computes, in plain PyTorch: q (1, H, T, D), k, v (1, n_kv, S, D), mask (T, S)."""
+    """What eagle_fast::attention computes, in plain PyTorch: q (B, H, T, D), k, v (B, n_kv, S, D), mask (1|B, T, S)."""
     H, n_kv = q.shape[1], k.shape[1]
     k, v = (t.float().repeat_interleave(H // n_kv, dim=1) for t in (k, v))
     scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     return (probs @ v).to(q.dtype)

@@ -166,8 +166,8 @@ class Transformer(nn.Module):
         if not dtype.is_floating_point:  # quantized weights: cache in the norm's dtype
             dtype = self.norm.weight.dtype
         device = self.output.weight.device
-        for b in self.layers:
-            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
+        for b in self.layers:  # each layer's own KV heads: a tensor-parallel share holds fewer (tp.py)
+            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, b.attention.n_local_heads,
                                            self.config.head_dim, dtype).to(device)
         freqs = precompute_freqs_cis(self.config.block_size, self.config.head_dim, self.config.rope_base,
                                      self.config.rope_scaling)
@@ -180,8 +180,9 @@ class Transformer(nn.Module):
                 feature_layers: tuple = (), last_logits_only: bool = False):
         """idx (B, T) token ids written at cache slots input_pos (T,).
 
-        mask (T, max_seq_length) bool, who attends to which cache slot; default causal by slot.
-        rope_pos (T,) positions for RoPE; default input_pos (a tree uses prefix_len + depth).
+        mask (T, max_seq_length) bool, who attends to which cache slot; default causal by slot. (B, T, S) for a
+        batch whose rows differ (left-padded prompts of different lengths).
+        rope_pos (T,) positions for RoPE; default input_pos (a tree uses prefix_len + depth); (B, T) per row.
         last_logits_only: logits of the last position only, (B, 1, vocab) (a prefill needs no more).
         Returns logits (B, T, vocab), or (logits, features) with return_features, where features is
         the final normed hidden state (B, T, dim); with feature_layers it is instead a list of the hidden
@@ -191,7 +192,7 @@ class Transformer(nn.Module):
         if mask is None:
             mask = self.causal_mask[input_pos]
         freqs_cis = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
-        mask = mask[None, None]  # (1, 1, T, S)
+        mask = mask[:, None] if mask.dim() == 3 else mask[None, None]  # (1 or B, 1, T, S)
         x = self.tok_embeddings(idx)
         hidden = []
         for i, layer in enumerate(self.layers):
@@ -245,7 +246,7 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, head_dim)
         if T <= kernels.MAX_M and not q.requires_grad and kernels.attention_takes(q, k):
-            y = kernels.attention(q, k, v, mask[0, 0])  # each query row the same whatever T is
+            y = kernels.attention(q, k, v, mask[:, 0])  # each query row the same whatever T (and B) is
         elif T <= SMALL_T:
             y = small_attention(q, k, v, mask)
         else:
@@ -325,7 +326,7 @@ def precompute_freqs_cis(seq_len: int, n_elem: int, base: float, rope_scaling: O
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
     # x: (B, T, heads, head_dim) with rotation pairs interleaved (x0, x1), (x2, x3), ...; freqs_cis: (T, head_dim/2, 2)
     xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    fc = freqs_cis.view(1, xs.size(1), 1, xs.size(3), 2)
+    fc = freqs_cis.view(-1, xs.size(1), 1, xs.size(3), 2)  # one table for the batch, or one per row
     out = torch.stack([xs[..., 0] * fc[..., 0] - xs[..., 1] * fc[..., 1],
                        xs[..., 1] * fc[..., 0] + xs[..., 0] * fc[..., 1]], dim=-1)
     return out.flatten(3).type_as(x)
@@ -375,14 +376,23 @@ def read_config(checkpoint_dir) -> dict:
 
 
 def load_safetensors(path) -> dict:
+    """A safetensors file's tensors, each in its own 64-byte-aligned memory (see aligned())."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     if not Path(path).is_file():
         raise CheckpointError(f"weights file not found: {path}")
     try:
-        return load_file(str(path))
+        return {k: aligned(v) for k, v in load_file(str(path)).items()}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"corrupt weights file {path}: {e}") from None
+
+
+def aligned(t: Tensor) -> Tensor:
+    """t, copied if its data does not start on a 64-byte boundary. safetensors returns views into one buffer at
+    whatever offsets the file has, and torch's CPU _weight_int8pack_mm loads int8 weights with aligned 16-byte
+    loads when it has 2+ rows: an int8 LM head 8 bytes off a boundary crashed every compiled verification
+    (tests/test_quantize.py keeps the reproduction). A fresh torch allocation is 64-byte aligned."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
 def load_state_dict_strict(module, state_dict, what):

@@ -390,10 +390,11 @@ def quantized_file(checkpoint_dir, config, name) -> Path:
     return path
 
 
-def load_quantized(checkpoint_dir, name, device="cpu", dtype=torch.bfloat16, pack=True) -> Transformer:
+def load_quantized(checkpoint_dir, name, device="cpu", dtype=torch.bfloat16, pack=True, shard=None) -> Transformer:
     """The quantized variant `name` of a checkpoint ("int8", "int4.g32", ...), ready to run on `device`: the file's
     tensors decide the module swaps; `dtype` is that of the activations, scales and float weights. pack: packed for
-    kernels.py on CPU (inference only)."""
+    kernels.py on CPU (inference only). shard(model): cuts the file-form weights to a tensor-parallel share (tp.py)
+    before they are packed."""
     config = read_config(checkpoint_dir)
     try:
         args = ModelArgs.from_json(Path(checkpoint_dir) / "config.json")
@@ -422,6 +423,8 @@ def load_quantized(checkpoint_dir, name, device="cpu", dtype=torch.bfloat16, pac
         model.output.weight = model.tok_embeddings.weight
         if isinstance(model.tok_embeddings, Int8Embedding):
             model.output.scales = model.tok_embeddings.scales
+    if shard is not None:
+        shard(model)
     prepare(model, dtype, pack=pack)
     model.checkpoint_config = config
     return model.eval()

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -29,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import kernels
 from eagle_head import EagleHead, head_config_from_target, save_head, target_info
-from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate,
+from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate, generate_batch,
                       load_model)
 from tokenizer import apply_chat_template, get_tokenizer
 
@@ -176,6 +178,18 @@ def tokenize_example(ex, tokenizer, template, system, max_len):
 
 # ---------------------------------------------------------------- feature extraction
 
+def write_jsonl(path: Path, examples):
+    """The regenerated conversations, kept beside the features (atomically), to read or to train on again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        for ex_id, ex in examples:
+            record = {"id": ex_id, "text": ex} if isinstance(ex, str) else {"id": ex_id, "conversations": ex}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
 def atomic_save(tensors: dict, path: Path, metadata=None):
     from safetensors.torch import save_file
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -203,20 +217,23 @@ def extract(args):
     todo = [i for i in range(len(shards)) if not (out / "features" / f"shard_{i:05d}.safetensors").is_file()]
     print(f"{len(examples)} conversations in {len(shards)} shards, {len(shards) - len(todo)} already done",
           file=sys.stderr)
-    model.setup_caches(1, args.max_len + (args.regen_tokens if args.regenerate else 0) + 8)
+    model.setup_caches(1, args.max_len + 8)
     bar = tqdm(total=sum(len(shards[i]) for i in todo), desc="features", unit="conv")
     n_tokens, t0 = 0, time.perf_counter()
     for i in todo:
         rows = {"tokens": [], "features": [], "loss_mask": [], "offsets": [0], "split": []}
-        for ex_id, ex in shards[i]:
-            if args.regenerate and not isinstance(ex, str):
-                ex = regenerate(model, tokenizer, ex, template, system, config, args)
+        shard = regenerate(model, tokenizer, shards[i], template, system, config, args) if args.regenerate else shards[i]
+        if args.regenerate:
+            model.setup_caches(1, args.max_len + 8)
+            write_jsonl(out / "regenerated" / f"shard_{i:05d}.jsonl", shard)
+        for ex_id, ex in shard:
             ids, mask = tokenize_example(ex, tokenizer, template, system, args.max_len)
             if len(ids) < 3 or sum(mask[1:]) == 0:
                 bar.update(1)
                 continue
             x = torch.tensor([ids], device=args.device)
-            _, feats = model(x, torch.arange(len(ids), device=args.device), return_features=True)
+            _, feats = model(x, torch.arange(len(ids), device=args.device), return_features=True,
+                             last_logits_only=True)  # the features are what is kept: skip the LM head
             rows["tokens"].append(x[0].int().cpu())
             rows["features"].append(feats[0].to(torch.bfloat16).cpu())
             rows["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
@@ -235,21 +252,38 @@ def extract(args):
     print(f"extracted {n_tokens} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 
-def regenerate(model, tokenizer, messages, template, system, config, args):
-    """Self-distillation: every assistant turn replaced by what the target itself says there."""
+def regenerate(model, tokenizer, examples, template, system, config, args):
+    """Self-distillation: every assistant turn replaced by what the target itself says there, given the
+    conversation so far (its own earlier replies included). Conversations go in batches of --regen_batch, one
+    turn at a time (generate.generate_batch); greedy, or sampled at --regen_temperature. Plain texts stay."""
     stop = set(config.get("stop_token_ids", []))
-    out = []
-    for m in messages:
-        if m["role"] != "assistant":
-            out.append(m)
-            continue
-        prompt = tokenizer.encode(apply_chat_template(out, template, system))[-args.max_len:]
-        ids, _ = generate(model, torch.tensor(prompt, device=args.device), args.regen_tokens, stop,
-                          temperature=args.regen_temperature, top_k=None, top_p=1.0)
-        out.append({"role": "assistant", "content": tokenizer.decode([t for t in ids if t not in stop])})
-        if len(tokenizer.encode(apply_chat_template(out, template, system))) >= args.max_len:
-            break
-    return out
+    sampling = dict(temperature=args.regen_temperature, top_k=None, top_p=1.0)
+    out = [ex if isinstance(ex, str) else [] for _, ex in examples]
+    todo = [i for i, (_, ex) in enumerate(examples) if not isinstance(ex, str)]
+    model.setup_caches(args.regen_batch, args.max_len + args.regen_tokens + 8)
+    for start in range(0, len(todo), args.regen_batch):
+        group = todo[start:start + args.regen_batch]
+        turn = {i: 0 for i in group}  # next message of examples[i] to copy or answer
+        while turn:
+            prompts, asked = [], []
+            for i in list(turn):
+                messages = examples[i][1]
+                while turn[i] < len(messages) and messages[turn[i]]["role"] != "assistant":
+                    out[i].append(messages[turn[i]])
+                    turn[i] += 1
+                ids = tokenizer.encode(apply_chat_template(out[i], template, system))
+                if turn[i] >= len(messages) or len(ids) >= args.max_len:
+                    del turn[i]  # finished, or long enough already
+                    continue
+                prompts.append(ids)
+                asked.append(i)
+            if not prompts:
+                break
+            replies = generate_batch(model, prompts, args.regen_tokens, stop, **sampling)
+            for i, ids in zip(asked, replies):
+                out[i].append({"role": "assistant", "content": tokenizer.decode([t for t in ids if t not in stop])})
+                turn[i] += 1
+    return [(ex_id, ex) for (ex_id, _), ex in zip(examples, out) if ex]
 
 
 # ---------------------------------------------------------------- training
@@ -299,10 +333,10 @@ def eagle_loss(module, head, tokens, inputs, targets, mask, noise=0.1, ce_weight
     pred = head_forward(module, tokens, inputs)
     n = mask.sum().clamp(min=1)
     reg = (F.smooth_l1_loss(pred.float(), targets, reduction="none").mean(-1) * mask).sum() / n
-    with torch.no_grad():
-        target_logits = head.lm_head(targets.to(pred.dtype)).float()
+    with torch.no_grad():  # over the head's draft vocabulary when it has one: 6x less LM head at 8,192 tokens
+        target_logits = head.draft_logits(targets.to(pred.dtype)).float()
         target_p = torch.softmax(target_logits, -1)
-    pred_logp = F.log_softmax(head.lm_head(pred).float(), -1)
+    pred_logp = F.log_softmax(head.draft_logits(pred).float(), -1)
     ce = (-(target_p * pred_logp).sum(-1) * mask).sum() / n
     correct = ((pred_logp.argmax(-1) == target_logits.argmax(-1)).float() * mask).sum()
     return reg + ce_weight * ce, mask.sum(), correct
@@ -324,11 +358,12 @@ def multi_step_accuracy(head, seqs, steps=4, starts_per_seq=16, seed=0):
         feats = feat[:-1].float()[None].repeat(B, 1, 1)  # (B, T-1, dim): input f_t for pair t
         tokens = tok[1:][None].expand(B, -1)
         target_top1 = head.lm_head(feat.float().to(head.fc.weight.dtype)).argmax(-1)  # (T,) target's next-token choice
+        draft_top1 = lambda h: head.to_target(head.draft_logits(h).argmax(-1))  # noqa: E731 (a draft proposes these)
         rows = torch.arange(B)
         for k in range(steps + 1):
             pos = starts + k
             pred = head_forward(head, tokens[:, :int(pos.max()) + 1], feats[:, :int(pos.max()) + 1])[rows, pos]
-            hits[k] += (head.lm_head(pred).argmax(-1) == target_top1[pos + 1]).sum().item()
+            hits[k] += (draft_top1(pred) == target_top1[pos + 1]).sum().item()
             total[k] += B
             if k < steps:
                 feats[rows, pos + 1] = pred.float()  # the next step sees the predicted feature
@@ -395,7 +430,11 @@ def fit(args):
     train_seqs, val_seqs = load_features(out)
     if args.max_train_seqs:
         train_seqs = train_seqs[:args.max_train_seqs]
-    head = EagleHead(head_config_from_target(target.config)).to(args.device).attach(target)
+    # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
+    vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
+    head = EagleHead(head_config_from_target(target.config), draft_vocab_size=0 if vocab is None else len(vocab))
+    head = head.to(args.device).attach(target)
+    head.set_draft_vocab(vocab)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
     head.layer.attention.kv_cache = None  # training attends within each sequence, no cache
     global_batch = args.batch_size
@@ -413,6 +452,7 @@ def fit(args):
     if args.resume and state_path.is_file():
         state = torch.load(state_path, map_location="cpu", weights_only=True)
         head.load_state_dict(state["head"])
+        head.set_draft_vocab(head.draft_vocab)  # re-cut the LM head rows for the restored vocabulary
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         torch.set_rng_state(state["rng"])
@@ -421,6 +461,8 @@ def fit(args):
     start_step = step
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0, unit="step")
     t0, seen_tokens, log = time.perf_counter(), 0, []
+    if args.bf16 is None:  # bf16 where the hardware has bf16 arithmetic; on AVX2-only CPUs it is several times slower
+        args.bf16 = "cuda" in args.device or kernels.isa() == "avx512_bf16"
     autocast = torch.autocast("cpu" if "cuda" not in args.device else "cuda", dtype=torch.bfloat16,
                               enabled=args.bf16)
     while step < total_steps:
@@ -460,9 +502,14 @@ def fit(args):
     if distributed:
         dist.barrier()
     if rank == 0:
+        seconds = time.perf_counter() - t0
         summary = {"steps": total_steps, "epochs": args.epochs, "train_sequences": len(train_seqs),
                    "train_tokens_per_epoch": sum(len(s[0]) for s in train_seqs),
-                   "seconds_this_run": round(time.perf_counter() - t0, 1)}
+                   "draft_vocab": args.draft_vocab, "bf16": bool(args.bf16),
+                   "seconds_this_run": round(seconds, 1),
+                   "tokens_per_s_this_run": round(seen_tokens * world / max(seconds, 1e-9), 1),
+                   "machine": f"{platform.processor() or platform.machine()}, kernels {kernels.isa()}, "
+                              f"{torch.get_num_threads()} threads x {world} processes, torch {torch.__version__}"}
         if val_seqs and not args.no_eval:
             head.eval()
             summary["val_accuracy_by_step"] = [round(a, 4) for a in multi_step_accuracy(head, val_seqs[:args.eval_seqs])]
@@ -524,7 +571,8 @@ def main(argv=None):
     e.add_argument("--device", default="cpu")
     e.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own")
     e.add_argument("--regen_tokens", type=int, default=256)
-    e.add_argument("--regen_temperature", type=float, default=0.0)
+    e.add_argument("--regen_temperature", type=float, default=0.0, help="0: greedy replies; ~0.7-1: sampled")
+    e.add_argument("--regen_batch", type=int, default=16, help="conversations regenerated together")
     f = sub.add_parser("fit", help="train the head on cached features")
     f.add_argument("--out", required=True)
     f.add_argument("--checkpoint", default=None)
@@ -534,7 +582,10 @@ def main(argv=None):
     f.add_argument("--warmup", type=int, default=50)
     f.add_argument("--weight_decay", type=float, default=0.0)
     f.add_argument("--clip", type=float, default=0.5)
-    f.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    f.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast (default: on CUDA and on CPUs with AVX-512-BF16, off on AVX2-only CPUs)")
+    f.add_argument("--draft_vocab", type=int, default=8192,
+                   help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152)")
     f.add_argument("--save_every", type=int, default=50)
     f.add_argument("--resume", action="store_true")
     f.add_argument("--seed", type=int, default=0)

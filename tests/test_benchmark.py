@@ -82,9 +82,3 @@ def test_hf_peer_holds_the_same_weights():
         ours = model(ids, torch.arange(12))
         theirs = benchmark.hf_model_from(model)(ids).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
-
-
-def test_compiled_eagle_on_an_int8_lm_head_is_refused(capsys):
-    with pytest.raises(SystemExit) as e:
-        benchmark.main(["--methods", "plain,eagle-dynamic@int4.g32.head8"])
-    assert e.value.code == 2 and "known issue" in capsys.readouterr().err

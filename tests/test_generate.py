@@ -126,7 +126,7 @@ def test_prompt_longer_than_cache(capsys):
 def test_cli_plain_decoding_with_draft_none(tmp_path, capsys, hf_reference):
     out = tmp_path / "m.jsonl"
     main(["--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max_new_tokens", "12",
-          "--draft", "none", "--metrics-json", str(out)])
+          "--draft", "none", "--dtype", "float32", "--no-compile", "--metrics-json", str(out)])
     r = json.loads(out.read_text())
     n = hf_reference["greedy"]["results"][0]["first_eos_index"] + 1
     assert r["token_ids"] == hf_reference["greedy"]["results"][0]["new_ids"][:n] and r["target_forwards"] == n - 1
@@ -135,7 +135,7 @@ def test_cli_plain_decoding_with_draft_none(tmp_path, capsys, hf_reference):
 def test_cli_chat_greedy_and_metrics(tmp_path, capsys, hf_reference):
     out = tmp_path / "m.jsonl"
     main(["--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max_new_tokens", "12",
-          "--num_samples", "2", "--metrics-json", str(out)])
+          "--num_samples", "2", "--dtype", "float32", "--no-compile", "--metrics-json", str(out)])
     stdout = capsys.readouterr().out
     assert "Paris" in stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -153,8 +153,96 @@ def test_cli_chat_greedy_and_metrics(tmp_path, capsys, hf_reference):
 def test_cli_total_tokens_auto(tmp_path, capsys, hf_reference):
     out = tmp_path / "m.jsonl"
     main(["--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max_new_tokens", "12",
-          "--total_tokens", "auto", "--depth", "2", "--draft_top_k", "2", "--metrics-json", str(out)])
+          "--total_tokens", "auto", "--depth", "2", "--draft_top_k", "2", "--dtype", "float32", "--no-compile",
+          "--metrics-json", str(out)])
     err = capsys.readouterr().err
     assert "--total_tokens auto: 4" in err  # depth 2, top-k 2 offer at most 6 nodes: 4 is the only size
     ref = hf_reference["greedy"]["results"][0]
     assert json.loads(out.read_text())["token_ids"] == ref["new_ids"][:ref["first_eos_index"] + 1]
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@CUDA
+@pytest.mark.compile
+def test_cuda_graph_steps_match_eager_on_cuda():
+    """compile_steps("cuda"): the decode step and the EAGLE cycle replay as CUDA graphs (mode="reduce-overhead"),
+    fed their own previous outputs; tokens equal eager decoding's (float32)."""
+    from eagle_head import random_head
+    model = make_tiny_model().to("cuda")
+    drafter = gen.Drafter(random_head(model), "dynamic", depth=3, top_k=2, total_tokens=4)
+    prompt = torch.tensor([1, 2, 3, 4], dtype=torch.int, device="cuda")
+    model.setup_caches(1, 96)
+    eager, _ = generate(model, prompt, 32, temperature=0)
+    eager_spec, _ = generate(model, prompt, 32, temperature=0, draft=drafter)
+    original = (gen.decode_one_token, gen.eagle_cycle)
+    try:
+        gen.compile_steps("cuda")
+        for _ in range(2):  # the second run replays the recorded graphs
+            assert generate(model, prompt, 32, temperature=0)[0] == eager
+            assert generate(model, prompt, 32, temperature=0, draft=drafter)[0] == eager_spec == eager
+    finally:
+        gen.decode_one_token, gen.eagle_cycle = original
+
+
+def test_defaults_pick_the_fastest_exact_configuration():
+    """No flags: bf16 where kernels.py runs (exact EAGLE in bf16), float32 where it cannot; compiled where a C++
+    compiler is found. Explicit flags are kept."""
+    import kernels
+    args = gen.resolve_defaults(gen.build_parser().parse_args([]))
+    assert args.dtype == ("bfloat16" if kernels.load() else "float32")
+    assert args.compile is True  # this machine has g++ (torch.compile needs it)
+    args = gen.resolve_defaults(gen.build_parser().parse_args(["--dtype", "float32", "--no-compile"]))
+    assert args.dtype == "float32" and args.compile is False
+
+
+# ---------------------------------------------------------------- batched decoding
+
+BATCH_PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(30, 60)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
+
+
+@pytest.mark.parametrize("dtype, pack", [(torch.float32, False), (torch.bfloat16, True)])
+def test_batch_rows_equal_their_own_batch_1_decoding(dtype, pack):
+    """Prompts of different lengths, left-padded: each row gives exactly what it gives alone, stopping at its own
+    stop id (row 0 stops early, the others run on). bf16 rows are exact on the packed kernels."""
+    import kernels
+    from model import pack_weights
+    if pack and not kernels.load():
+        pytest.skip("the C++ kernels are not available here")
+    model = make_tiny_model(seed=1).to(dtype)
+    if pack:
+        pack_weights(model)
+    model.setup_caches(len(BATCH_PROMPTS), 128)
+    rows = gen.generate_batch(model, BATCH_PROMPTS, 40, stop_ids={5})
+    assert [len(r) for r in rows] != [40] * 4 and rows[0][-1] == 5
+    for prompt, row in zip(BATCH_PROMPTS, rows):
+        model.setup_caches(1, 128)
+        assert row == generate(model, torch.tensor(prompt, dtype=torch.int), 40, stop_ids={5}, temperature=0)[0]
+
+
+def test_batch_sampling_follows_each_rows_distribution():
+    """Sampled rows: with the same prompt twice, the rows are independent draws (they differ), and a row's first
+    tokens follow the model's distribution (their frequency over many draws matches the probability)."""
+    model = make_tiny_model(seed=2, vocab_size=8)
+    with torch.no_grad():
+        model.output.weight.mul_(0.2)  # flat enough that several tokens are likely
+    prompt = [1, 2, 3]
+    model.setup_caches(1, 16)
+    with torch.no_grad():
+        p = gen.logits_to_probs(model(torch.tensor([prompt]), torch.arange(3))[0, -1], temperature=1.0)
+    B = 400
+    model.setup_caches(B, 16)
+    torch.manual_seed(0)
+    rows = gen.generate_batch(model, [prompt] * B, 2, temperature=1.0, top_k=None)
+    first = torch.bincount(torch.tensor([r[0] for r in rows]), minlength=8).float() / B
+    assert (first - p).abs().max() < 0.08 and len({tuple(r) for r in rows}) > 10
+
+
+def test_batch_errors():
+    model = make_tiny_model()
+    model.setup_caches(2, 16)
+    with pytest.raises(ValueError, match="set up for a batch of 2"):
+        gen.generate_batch(model, [[1], [2], [3]], 4)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        gen.generate_batch(model, [[1] * 20, [2]], 4)

@@ -29,11 +29,11 @@ def save_checkpoint(model, path):
     return path
 
 
-def quantized(model, mode, groupsize=None, dtype=torch.float32, **kw):
+def quantized(model, mode, groupsize=None, dtype=torch.float32, pack=True, **kw):
     """Quantize a float model in memory and ready it to run in `dtype` (cast first: after prepare(), .to(dtype)
-    would also cast the int4 kernel's bf16 scales)."""
+    would also cast the int4 kernel's bf16 scales). pack: for kernels.py (else torch's int8/int4 kernels)."""
     Q.quantize_model(model.to(dtype), mode, groupsize, **kw)
-    Q.prepare(model, dtype)
+    Q.prepare(model, dtype, pack=pack)
     return model
 
 
@@ -308,17 +308,44 @@ def test_speculative_decoding_is_exact_on_a_quantized_target(mode, groupsize, dt
 # ---------------------------------------------------------------- torch.compile
 
 @pytest.mark.compile
+@pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
-def test_compiled_quantized_decode_matches_eager(mode, groupsize, monkeypatch):
+def test_compiled_quantized_decode_matches_eager(mode, groupsize, pack, monkeypatch):
     from torch._inductor.utils import run_and_get_code
-    model = quantized(make_tiny_model(), mode, groupsize, torch.bfloat16)
+    if pack and not kernels.load():
+        pytest.skip("the C++ kernels are not available here")
+    model = quantized(make_tiny_model(**WIDE), mode, groupsize, torch.bfloat16, pack=pack)
     eager = greedy(model, [1, 2, 3, 4], 24, 64)
     step = torch.compile(gen.decode_one_token, fullgraph=True, dynamic=False)
     monkeypatch.setattr(gen, "decode_one_token", step)
     compiled, code = run_and_get_code(greedy, model, [1, 2, 3, 4], 24, 64)
     assert compiled == eager
     # what makes it fast: one packed int8 / int4 matmul per layer, not a dequantized weight
-    assert ("_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm_for_cpu") in "\n".join(code)
+    kernel = "eagle_fast.linear" if pack else "_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm_for_cpu"
+    assert kernel in "\n".join(code)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("pack", [True, False])
+def test_compiled_eagle_on_an_int8_lm_head_matches_plain(tmp_path, pack):
+    """int4 layers with an int8 LM head, loaded from a file: compiled EAGLE (one graph a cycle) gives plain decoding's
+    tokens. Before aligned() this crashed in torch's int8 kernel (pack=False); in bf16 it needs kernels.py (pack)
+    for exactness, so the unpacked run compares in float32."""
+    if pack and not kernels.load():
+        pytest.skip("the C++ kernels are not available here")
+    ckpt = save_checkpoint(make_tiny_model(**WIDE, tie_embeddings=True), tmp_path / "ckpt")
+    Q.main(["--checkpoint", str(ckpt), "--mode", "int4", "--quantize_head"])
+    dtype = torch.bfloat16 if pack else torch.float32
+    model = load_model(ckpt, "cpu", dtype, quantization="int4.g32.head8", pack=pack)
+    drafter = Drafter(random_head(model, seed=1), "dynamic", depth=3, top_k=2, total_tokens=4)
+    plain = greedy(model, [1, 2, 3, 4], 32, 96)
+    original = (gen.decode_one_token, gen.eagle_cycle)
+    try:
+        gen.compile_steps()
+        compiled = greedy(model, [1, 2, 3, 4], 32, 96, draft=drafter)
+    finally:
+        gen.decode_one_token, gen.eagle_cycle = original
+    assert compiled == plain
 
 
 # ---------------------------------------------------------------- the real model
@@ -344,3 +371,36 @@ def test_real_model_perplexity_after_quantization(default_checkpoint, hf_referen
     assert abs(nll["int8", None] - ref) < 0.02
     assert abs(nll["int4", 32] - ref) < 0.02
     assert nll["int4", 32] + 0.2 < nll["int4", 128] < ref + 0.9
+
+
+INT8PACK_MM_REPRO = """
+import sys, torch
+from safetensors.torch import save_file
+sys.path.insert(0, {root!r})
+from model import load_safetensors
+N, K = 64, 64
+w = torch.randint(-127, 127, (N * K + 8,), dtype=torch.int8)[8:].view(N, K)  # 8 bytes off a 64-byte boundary
+if sys.argv[1] == "loaded":  # the same weight written after an 8-byte tensor, read back through our loader
+    save_file({{"a": torch.zeros(8, dtype=torch.int8), "w": w.clone()}}, sys.argv[2])
+    w = load_safetensors(sys.argv[2])["w"]
+print(w.data_ptr() % 16, flush=True)
+torch._weight_int8pack_mm(torch.randn(5, K, dtype=torch.bfloat16), w, torch.ones(N, dtype=torch.bfloat16))
+"""
+
+
+def test_int8pack_mm_on_a_misaligned_weight_and_the_aligned_loader(tmp_path):
+    """The cause of the crash of compiled EAGLE on .head8 variants (torch 2.13, CPU): _weight_int8pack_mm loads the
+    int8 weight with aligned 16-byte loads when it has 2+ rows, and safetensors returned the int8 LM head 8 bytes
+    off a boundary. Each case runs in its own process, since the bug is a segmentation fault."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    script = tmp_path / "repro.py"
+    script.write_text(INT8PACK_MM_REPRO.format(root=str(ROOT)))
+    raw = subprocess.run([sys.executable, str(script), "raw"], capture_output=True, text=True)
+    loaded = subprocess.run([sys.executable, str(script), "loaded", str(tmp_path / "w.safetensors")],
+                            capture_output=True, text=True)
+    assert raw.stdout.split()[:1] == ["8"]  # the reproduction's weight really is misaligned
+    assert loaded.returncode == 0 and loaded.stdout.split() == ["0"], loaded.stderr[-500:]
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # the AVX-512 build has the aligned loads (torch 2.13)
+        assert raw.returncode != 0, "torch's _weight_int8pack_mm takes misaligned weights now: aligned() can go"

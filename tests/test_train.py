@@ -472,3 +472,32 @@ def test_frequent_tokens_counts_assistant_tokens_only():
     seqs = [(torch.tensor([1, 2, 2, 3, 3, 3]), None, torch.tensor([0, 1, 1, 0, 0, 0], dtype=torch.uint8)),
             (torch.tensor([4, 4, 2, 5]), None, torch.tensor([1, 1, 1, 0], dtype=torch.uint8))]
     assert train.frequent_tokens(seqs, 2).tolist() == [2, 4]  # 3 is frequent but never an assistant token
+
+
+def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_tokenizer):
+    """Self-distillation, batched over conversations and turn by turn: user turns stay, every assistant turn
+    becomes the target's greedy reply to the conversation so far (its own earlier replies included), the same as
+    one conversation generated alone; plain texts pass through."""
+    import argparse
+    from generate import generate
+    from tokenizer import apply_chat_template
+    convs = [[{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."},
+              {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Blue."}],
+             [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "5"}],
+             [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hello."}]]
+    examples = [("a", convs[0]), ("b", convs[1]), ("t", "a plain text"), ("c", convs[2])]
+    args = argparse.Namespace(regen_batch=2, regen_tokens=6, regen_temperature=0.0, max_len=256)
+    config = real_model.checkpoint_config
+    out = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, config, args)
+    assert [i for i, _ in out] == ["a", "b", "t", "c"] and out[2][1] == "a plain text"
+    stop = set(config["stop_token_ids"])
+    for (_, new), old in zip([out[0], out[1], out[3]], convs):
+        assert [m["role"] for m in new] == [m["role"] for m in old]
+        assert [m["content"] for m in new if m["role"] == "user"] == [m["content"] for m in old if m["role"] == "user"]
+        for k, m in enumerate(new):  # each reply: what the target says alone, given the regenerated history
+            if m["role"] == "assistant":
+                ids = real_tokenizer.encode(apply_chat_template(new[:k], "chatml", None))
+                real_model.setup_caches(1, len(ids) + 16)
+                reply, _ = generate(real_model, torch.tensor(ids), 6, stop, temperature=0)
+                assert m["content"] == real_tokenizer.decode([t for t in reply if t not in stop])
+    assert out[1][1][1]["content"] != "5"  # really regenerated

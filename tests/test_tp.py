@@ -1,0 +1,71 @@
+"""Tensor parallelism (tp.py): two CPU processes over gloo give exactly one process's tokens (fp32)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import quantize as Q
+import tp
+from conftest import ROOT, make_tiny_model
+from generate import load_model
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, default_checkpoint):
+    """A tiny random model with the real vocabulary (so the real tokenizer fits), int8 weights beside it."""
+    path = tmp_path_factory.mktemp("tp") / "ckpt"
+    path.mkdir()
+    model = make_tiny_model(vocab_size=49152, dim=128, intermediate_size=256)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**model.config.to_dict(), "stop_token_ids": [],
+                                                  "chat_template": "chatml"}))
+    shutil.copy(default_checkpoint / "tokenizer.json", path)
+    Q.main(["--checkpoint", str(path), "--mode", "int8"])
+    return path
+
+
+def run_generate(checkpoint, out, processes, *flags):
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+                               str(29400 + os.getpid() % 500)] if processes > 1 else [])
+    cmd += ["generate.py", "--checkpoint", str(checkpoint), "--prompt", "Hello there, how are", "--temperature", "0",
+            "--max_new_tokens", "24", "--dtype", "float32", "--no-compile", "--metrics-json", str(out), *flags]
+    result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("flags", [["--draft", "none"], ["--draft", "random"], ["--draft", "none", "--quant", "int8"],
+                                   ["--draft", "random", "--quant", "int8"]])
+def test_two_processes_give_one_process_tokens(checkpoint, tmp_path, flags):
+    one = run_generate(checkpoint, tmp_path / "one.jsonl", 1, *flags)
+    two = run_generate(checkpoint, tmp_path / "two.jsonl", 2, *flags)
+    assert len(one) == len(two) == 1  # rank 1 computes too, but only rank 0 writes
+    assert two[0]["token_ids"] == one[0]["token_ids"] and len(one[0]["token_ids"]) == 24
+
+
+def test_shards_are_this_process_share_and_refused_when_uneven(checkpoint):
+    full = load_model(checkpoint, pack=False)
+    c = full.config
+    hd = c.head_dim
+    q, k, v = full.layers[0].attention.wqkv.weight.split([c.n_head * hd, c.n_local_heads * hd, c.n_local_heads * hd])
+    for rank in (0, 1):
+        part = load_model(checkpoint, pack=False)
+        for block in part.layers:  # shard without the all-reduce hooks (no process group here)
+            a, ff = block.attention, block.feed_forward
+            splits = [a.n_head * hd, a.n_local_heads * hd, a.n_local_heads * hd]
+            tp._shard_linear(a.wqkv, rank, 2, "rows", splits)
+            tp._shard_linear(a.wo, rank, 2, "cols")
+            tp._shard_linear(ff.w2, rank, 2, "cols")
+        att = part.layers[0].attention
+        want = torch.cat([t.chunk(2)[rank] for t in (q, k, v)])
+        assert torch.equal(att.wqkv.weight, want)  # whole heads of q, k and v, not a cut through the fused rows
+        assert torch.equal(att.wo.weight, full.layers[0].attention.wo.weight.chunk(2, 1)[rank])
+    with pytest.raises(ValueError, match="3 processes cannot share 4 attention heads"):
+        tp.check_shardable(c, 3)
