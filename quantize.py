@@ -249,6 +249,11 @@ def linear_layers(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "output"]
 
 
+def model_packed(model) -> bool:
+    out = getattr(model, "output", None)
+    return out is not None and getattr(out, "weight", None) is not None and out.weight.dim() == 4
+
+
 def _set_module(root, name, module):
     parent, _, attr = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, attr, module)
@@ -276,6 +281,9 @@ def quantize_model(model, mode, groupsize=None, quantize_head=False, pad=False):
     pad: zero-pad input dims the int4 group size does not divide (else that is refused)."""
     if mode not in MODES:
         raise QuantizeError(f"unknown mode {mode!r}; choose int8 or int4")
+    if any(m.weight.dim() != 2 for _, m in linear_layers(model)) or model_packed(model):
+        raise QuantizeError("these weights are packed for the CPU kernels: quantize the plain layout "
+                            "(load_model(..., pack=False))")
     if mode == "int4" and not pad:
         check_groupsize(model, groupsize)
     for name, lin in linear_layers(model):

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate as gen  # noqa: E402
+import kernels  # noqa: E402
 from generate import DTYPES, default_checkpoint, load_model, model_size_bytes  # noqa: E402
 
 
@@ -44,26 +45,29 @@ def main():
     args = p.parse_args()
     model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
     model.setup_caches(1, args.prefix + args.steps + 8)
-    step = gen.decode_one_token if args.no_compile else torch.compile(gen.decode_one_token, fullgraph=True)
+    if not args.no_compile:
+        gen.compile_steps()  # as generate.py compiles it
+    step = gen.decode_one_token
     tok, pos = torch.tensor([[42]], dtype=torch.int), torch.tensor([args.prefix])
     with torch.no_grad():
         model(torch.randint(0, 1000, (1, args.prefix)), torch.arange(args.prefix))
         for _ in range(3):
             step(model, tok, pos, temperature=0)  # compile and warm up
         times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            step(model, tok, pos, temperature=0)
-            times.append(time.perf_counter() - t0)
+        with gen.guards_checked_once(1):  # as inside a generation: guards checked on its first step only
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step(model, tok, pos, temperature=0)
+                times.append(time.perf_counter() - t0)
         bandwidth = read_bandwidth()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU]) as prof, gen.guards_checked_once(1):
             for _ in range(10):
                 step(model, tok, pos, temperature=0)
     ms = statistics.median(times) * 1e3
     weights = model_size_bytes(model)
     floor_ms = weights / bandwidth * 1e3
     print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled'}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"weights read per token: {weights / 2**20:.0f} MiB; read bandwidth: {bandwidth / 1e9:.1f} GB/s; "
           f"floor {floor_ms:.1f} ms/token ({1e3 / floor_ms:.0f} tokens/s)")
     print(f"decode step: {ms:.1f} ms/token ({1e3 / ms:.1f} tokens/s) = {floor_ms / ms:.0%} of the floor, "

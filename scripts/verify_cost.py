@@ -16,6 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import tree_ancestors, tree_attention_mask  # noqa: E402
+import generate as gen  # noqa: E402
+import kernels  # noqa: E402
 from generate import DTYPES, default_checkpoint, load_model  # noqa: E402
 import model as model_module  # noqa: E402
 
@@ -43,6 +45,8 @@ def main():
     def verify(tokens, slots, mask, rope_pos):
         return model(tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True)
 
+    if not args.no_compile:
+        gen.compile_steps()  # the settings generate.py compiles with
     step = verify if args.no_compile else torch.compile(verify, fullgraph=True, dynamic=False)
     inputs = {}
     for T in args.sizes:  # a random tree of T nodes (each node's parent comes before it)
@@ -57,14 +61,15 @@ def main():
     with torch.no_grad():
         for _ in range(args.rounds):
             for T in args.sizes:
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    step(*inputs[T])
-                times[T].append((time.perf_counter() - t0) / 3)
+                step(*inputs[T])  # guarded: the right graph for this size
+                with gen.guards_checked_once(1):
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        step(*inputs[T])
+                    times[T].append((time.perf_counter() - t0) / 3)
     base = statistics.median(times[args.sizes[0]])
     print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled'}, prefix {args.prefix}, "
-          f"matmul attention up to T={model_module.SMALL_T}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
     for T in args.sizes:
         m = statistics.median(times[T])
