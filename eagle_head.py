@@ -1,9 +1,14 @@
-"""The EAGLE draft head (Li et al., 2024, arXiv 2401.15077) and its drafting: chain, static tree, dynamic tree.
+"""EAGLE draft heads and their drafting: chain, static tree, dynamic tree.
 
-The head predicts the target's next feature (its final normed hidden state, the LM head's input) from the
-current feature and the next token:  f_{t+1} ~ layer(fc(cat(embed(x_{t+1}), f_t))). Its output goes through
-the target's own LM head, and it reads the target's own embedding; both stay frozen and are not stored twice.
-One LLaMA decoder layer, whose input RMSNorm is omitted and with no final norm, as in the official code.
+EAGLE-1/2 (Li et al., 2024, arXiv 2401.15077, 2406.16858): the head predicts the target's next feature (its final
+normed hidden state, the LM head's input) from the current feature and the next token:
+f_{t+1} ~ layer(fc(cat(embed(x_{t+1}), f_t))). Its output goes through the target's own LM head, and it reads the
+target's own embedding; both stay frozen and are not stored twice. One LLaMA decoder layer, whose input RMSNorm is
+omitted and with no final norm, as in the official code.
+
+EAGLE-3 (Li et al., 2025, arXiv 2503.01840): Eagle3Head drafts tokens, not features, from a fusion of a low, a
+middle and a high target feature (the hidden states entering target layers 2, L/2 and L-3); see its docstring.
+Both kinds draft and verify through the same functions below.
 
 Head positions are aligned with target positions: the pair (f_t, x_{t+1}) sits at head position t.
 Every drafting function has fixed shapes for fixed (depth, top_k, total_tokens), so it compiles once.
@@ -18,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-from model import (KVCache, Linear, ModelArgs, TransformerBlock, aligned, args_from_hf_config, linear, pack_weights,
-                   permute_rotate_half, precompute_freqs_cis)
+from model import (Attention, FeedForward, KVCache, Linear, ModelArgs, RMSNorm, TransformerBlock, aligned,
+                   args_from_hf_config, linear, pack_weights, permute_rotate_half, precompute_freqs_cis)
 from quantize import HEAD_CONFIG, HEAD_FILE, prepare, swap_modules  # noqa: F401 (the project layout's names)
 
 
@@ -31,6 +36,9 @@ EAGLE1_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0
 
 
 class EagleHead(nn.Module):
+    kind = "eagle"
+    feature_layers = ()  # the target feature it reads: the final normed hidden state
+
     def __init__(self, config: ModelArgs, bias: bool = True, draft_vocab_size: int = 0):
         super().__init__()
         self.config, self.bias = config, bias
@@ -112,6 +120,100 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([self.embed(tokens).to(features.dtype), features], dim=-1))
         freqs = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
         return self.layer(x, input_pos, freqs, mask[None, None])
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over [norm(embedding), norm(feature)] (2 x dim wide), the feature itself as
+    the residual (its normed form with norm_before_residual, as speculators' checkpoints may ask), then the MLP."""
+
+    def __init__(self, config: ModelArgs, norm_before_residual: bool = False):
+        super().__init__()
+        self.norm_before_residual = norm_before_residual
+        self.input_norm = RMSNorm(config.dim, config.norm_eps)
+        self.hidden_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.attention.wqkv = Linear(2 * config.dim, self.attention.wqkv.out_features, bias=False)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, embeds, hidden, input_pos, freqs_cis, mask):
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_norm(embeds), normed], dim=-1)  # (B, T, 2 * dim)
+        h = (normed if self.norm_before_residual else hidden) + self.attention(x, freqs_cis, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 head: fc fuses three target hidden states (low, middle, high: those entering target layers
+    feature_layers, 3 x target dim concatenated) into one feature g; Eagle3Layer reads [embed(x_{t+1}), g]; its own
+    final norm and LM head score a draft vocabulary, whose ids map to the target's as id + d2t[id]. The layer's
+    pre-norm output is what the next draft step reads as its feature (fc is only for the target's), so drafting
+    (head_update, draft_dynamic, draft_static) runs it exactly as an EAGLE-1/2 head. The embedding is the target's."""
+    kind = "eagle3"
+
+    def __init__(self, config: ModelArgs, target_dim: int, feature_layers, draft_vocab_size: int,
+                 norm_before_residual: bool = False):
+        super().__init__()
+        self.config, self.target_dim, self.feature_layers = config, target_dim, tuple(feature_layers)
+        self.fc = Linear(3 * target_dim, config.dim, bias=False)
+        self.layer = Eagle3Layer(config, norm_before_residual)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = Linear(config.dim, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))  # target id - draft id
+        self.max_seq_length = -1
+        self._target = None
+
+    def attach(self, target):
+        """Check the head fits this target (one clear line if not) and share its embedding."""
+        t = target.config
+        if self.fc.in_features != 3 * t.dim:
+            raise ValueError(f"this EAGLE-3 head fuses features of width {self.fc.in_features // 3}, but the target's "
+                             f"hidden size is {t.dim}: it was trained for another model")
+        if max(self.feature_layers) > t.n_layer or len(set(self.feature_layers)) != 3:
+            raise ValueError(f"this EAGLE-3 head reads target layers {self.feature_layers}, but the target has "
+                             f"{t.n_layer}: it was trained for another model")
+        if int((self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)).max()) >= t.vocab_size:
+            raise ValueError(f"this EAGLE-3 head drafts token ids beyond the target's vocabulary of {t.vocab_size}: "
+                             f"it was trained for another model")
+        if self.config.dim != t.dim and not hasattr(self, "embedding"):
+            raise ValueError(f"this EAGLE-3 head is {self.config.dim} wide and has no embedding of its own; "
+                             f"the target's is {t.dim} wide")
+        self._target = (target.tok_embeddings, target.output)
+        if target.output.weight.dim() == 4:
+            pack_weights(self)
+        return self
+
+    def embed(self, tokens):
+        emb = getattr(self, "embedding", None)
+        return emb(tokens) if emb is not None else self._target[0](tokens)
+
+    def draft_logits(self, hidden):
+        """Logits over the draft vocabulary (..., len(d2t)); to_target() maps their indices to target ids."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    setup_caches = EagleHead.setup_caches
+
+    def forward(self, tokens: Tensor, features: Tensor, input_pos: Tensor, mask: Tensor, rope_pos: Tensor = None):
+        """tokens (1, T); features (1, T, 3 x target dim) from the target, or (1, T, dim) the head's own previous
+        output -> the layer's output (1, T, dim), before the final norm."""
+        g = self.fc(features) if features.shape[-1] != self.config.dim else features
+        freqs = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
+        return self.layer(self.embed(tokens).to(g.dtype), g, input_pos, freqs, mask[None, None])
+
+
+def default_feature_layers(n_layer: int):
+    """The target layers EAGLE-3 reads (the hidden states entering them): a low, a middle and a high one, as the
+    official code picks them; a model of fewer than 8 layers (tests) gives its first, middle and final states."""
+    return (2, n_layer // 2, n_layer - 3) if n_layer >= 8 else (0, n_layer // 2, n_layer)
+
+
+def target_features(features, head):
+    """What the head reads from a target forward (return_features=True, feature_layers=head.feature_layers): the
+    final normed state (EAGLE-1/2), or the three hidden states side by side (EAGLE-3)."""
+    return torch.cat(features, dim=-1) if head.feature_layers else features
 
 
 # ---------------------------------------------------------------- trees
@@ -278,8 +380,13 @@ def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {**head.config.to_dict(), "bias": head.bias, "target": target_info,
-              "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab), **(extra or {})}
+    if head.kind == "eagle3":
+        config = {**head.config.to_dict(), "kind": "eagle3", "target": target_info, "target_dim": head.target_dim,
+                  "feature_layers": list(head.feature_layers), "draft_vocab_size": len(head.d2t),
+                  "norm_before_residual": head.layer.norm_before_residual, **(extra or {})}
+    else:
+        config = {**head.config.to_dict(), "bias": head.bias, "target": target_info,
+                  "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab), **(extra or {})}
     # weights in the plain layout whatever the head runs with (packed for the CPU kernels, see model.pack_weights)
     state = {k: (kernels.unpack(v) if v.dim() == 4 else v).contiguous() for k, v in head.state_dict().items()}
     for name, write in ((HEAD_FILE, lambda p: save_file(state, p)),
@@ -298,10 +405,10 @@ def target_info(target) -> dict:
             "n_local_heads": c.n_local_heads, "name": getattr(target, "name", None)}
 
 
-def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None) -> EagleHead:
-    """Loads a head from the project layout (head_config.json) or the official EAGLE-1 layout (config.json +
-    pytorch_model.bin / model.safetensors), checks it fits the target, and attaches the target's embedding
-    and LM head. Raises ValueError / FileNotFoundError with a clear message. A quantized head (quantize.py
+def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None):
+    """Loads a head (EagleHead or Eagle3Head) from the project layout (head_config.json) or an official layout
+    (config.json + pytorch_model.bin / model.safetensors: EAGLE-1/2, SafeAILab EAGLE-3, speculators EAGLE-3),
+    checks it fits the target, and attaches the target's embedding (and LM head). Raises ValueError / FileNotFoundError with a clear message. A quantized head (quantize.py
     --draft) is asked for by quantization="int8" / "int4.g32" or by its file's path, e.g. DIR/head_int8.safetensors."""
     path = Path(path)
     weights_file = f"head_{quantization}.safetensors" if quantization else HEAD_FILE
@@ -321,14 +428,17 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
                 raise ValueError(f"draft head was trained for a target with {name}={want[name]}, "
                                  f"but this target has {name}={getattr(target.config, name)}")
         weights = _load_weights(path / weights_file)
-        bias = config.get("bias", True)
+        if config.get("kind") == "eagle3":
+            head = Eagle3Head(args, config["target_dim"], config["feature_layers"], config["draft_vocab_size"],
+                              config.get("norm_before_residual", False))
+        else:
+            head = EagleHead(args, bias=config.get("bias", True), draft_vocab_size=len(weights.get("draft_vocab", ())))
     elif (path / "config.json").is_file() and weights_file != HEAD_FILE:
         raise ValueError(f"{path}: choosing a head file (a quantized head) needs the project layout (head_config.json)")
     elif (path / "config.json").is_file():
-        args, bias, weights = _official_head(path, target)
+        head, weights = _official_head(path, target)
     else:
         raise FileNotFoundError(f"{path} has neither {HEAD_CONFIG} (project layout) nor config.json (official EAGLE)")
-    head = EagleHead(args, bias=bias, draft_vocab_size=len(weights.get("draft_vocab", ())))
     quantized = any(k.endswith(".scales") for k in weights)
     if quantized:  # written by quantize.py: swap in the modules its tensors call for
         swap_modules(head, weights)
@@ -342,6 +452,8 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
     if "draft_vocab" in weights and not 0 <= int(weights["draft_vocab"].min()) <= int(weights["draft_vocab"].max()) \
             < target.config.vocab_size:
         raise ValueError(f"draft head {path}: draft_vocab holds ids outside the target's vocabulary")
+    if "d2t" in weights and not 0 <= int((weights["d2t"] + torch.arange(len(weights["d2t"]))).min()):
+        raise ValueError(f"draft head {path}: d2t maps draft ids below 0")
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
     # load_state_dict copies into the module's own (fp32) tensors: cast afterwards to the requested dtype
     head = (head.to(device) if quantized else head.to(device=device, dtype=dtype)).eval()
@@ -379,17 +491,24 @@ OFFICIAL_KEYS = {"fc.weight": "fc.weight", "fc.bias": "fc.bias",
 
 
 def _official_head(path: Path, target):
-    """The layout the EAGLE authors publish: an HF LLaMA config with one layer, HF key names and HF's
-    rotate-half Q/K layout (permuted here like the target's conversion)."""
+    """The layouts the authors and their tools publish: an HF LLaMA config with one layer (EAGLE-1/2 heads, keys
+    layers.0.*; SafeAILab's EAGLE-3 heads, keys midlayer.* with d2t / t2d), or a speculators / vLLM EAGLE-3
+    checkpoint (speculators_model_type "eagle3", its layer config in transformer_layer_config, keys layers.0.*).
+    HF's rotate-half Q/K rows are permuted here like the target's conversion. Returns (head, weights)."""
     hf = _read_json(path / "config.json")
-    try:
-        args = args_from_hf_config(hf)
-    except KeyError as e:
-        raise ValueError(f"official EAGLE config {path / 'config.json'} lacks {e}") from None
     files = [f for f in ("model.safetensors", "pytorch_model.bin") if (path / f).is_file()]
     if not files:
         raise FileNotFoundError(f"official EAGLE head {path} has no model.safetensors or pytorch_model.bin")
     raw = _load_weights(path / files[0])
+    speculators = "speculators_model_type" in hf or "transformer_layer_config" in hf
+    eagle3 = speculators or any(k.startswith("midlayer.") for k in raw) or "d2t" in raw
+    try:
+        args = args_from_hf_config(hf.get("transformer_layer_config", hf))
+    except KeyError as e:
+        raise ValueError(f"official EAGLE config {path / 'config.json'} lacks {e}") from None
+    args = ModelArgs(**{**args.to_dict(), "n_layer": 1})
+    if eagle3:
+        return _official_eagle3(path, hf, raw, args, target, "layers.0." if speculators else "midlayer.", speculators)
     bias = hf.get("bias", "fc.bias" in raw)
     required = [k for k in OFFICIAL_KEYS if k != "fc.bias" or bias]
     required += [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
@@ -400,19 +519,63 @@ def _official_head(path: Path, target):
                                                                                   target.config.dim):
         raise ValueError(f"official EAGLE head {path} embeds {tuple(raw['embed_tokens.weight'].shape)}, "
                          f"the target ({target.config.vocab_size}, {target.config.dim})")
-    args = ModelArgs(**{**args.to_dict(), "n_layer": 1, "vocab_size": args.vocab_size})
-    hd = args.head_dim
     weights = {ours: raw[theirs] for theirs, ours in OFFICIAL_KEYS.items() if theirs in raw}
-    q = permute_rotate_half(raw["layers.0.self_attn.q_proj.weight"], args.n_head, hd)
-    k = permute_rotate_half(raw["layers.0.self_attn.k_proj.weight"], args.n_local_heads, hd)
-    weights["layer.attention.wqkv.weight"] = torch.cat([q, k, raw["layers.0.self_attn.v_proj.weight"]])
-    return args, bias, weights
+    weights["layer.attention.wqkv.weight"] = _fused_qkv(raw, "layers.0.", args)
+    return EagleHead(args, bias=bias), weights
 
 
-def random_head(target, seed=0, scale=1.0) -> EagleHead:
-    """An untrained head (for tests and for measuring the machinery): output is still exact, acceptance low."""
+def _fused_qkv(raw, prefix, args):
+    q = permute_rotate_half(raw[f"{prefix}self_attn.q_proj.weight"], args.n_head, args.head_dim)
+    k = permute_rotate_half(raw[f"{prefix}self_attn.k_proj.weight"], args.n_local_heads, args.head_dim)
+    return torch.cat([q, k, raw[f"{prefix}self_attn.v_proj.weight"]])
+
+
+EAGLE3_KEYS = {"input_layernorm.weight": "layer.input_norm.weight", "hidden_norm.weight": "layer.hidden_norm.weight",
+               "self_attn.o_proj.weight": "layer.attention.wo.weight",
+               "post_attention_layernorm.weight": "layer.ffn_norm.weight",
+               "mlp.gate_proj.weight": "layer.feed_forward.w1.weight", "mlp.up_proj.weight": "layer.feed_forward.w3.weight",
+               "mlp.down_proj.weight": "layer.feed_forward.w2.weight"}
+
+
+def _official_eagle3(path, hf, raw, args, target, prefix, speculators):
+    """An EAGLE-3 head as SafeAILab (prefix midlayer.) or speculators / vLLM (prefix layers.0.) write it."""
+    required = ["fc.weight", "norm.weight", "lm_head.weight"] + [prefix + k for k in EAGLE3_KEYS]
+    required += [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ValueError(f"EAGLE-3 head {path} is missing keys: {', '.join(missing)}")
+    t = target.config
+    fc_in, draft_vocab = raw["fc.weight"].shape[1], raw["lm_head.weight"].shape[0]
+    if fc_in != 3 * t.dim:
+        raise ValueError(f"EAGLE-3 head {path} fuses features of width {fc_in // 3} (fc takes {fc_in}), but the target's "
+                         f"hidden size is {t.dim}: it was made for another target")
+    if "t2d" in raw and raw["t2d"].numel() != t.vocab_size:
+        raise ValueError(f"EAGLE-3 head {path} maps a vocabulary of {raw['t2d'].numel()} target tokens, but the target "
+                         f"has {t.vocab_size}: it was made for another target")
+    d2t = raw["d2t"].long() if "d2t" in raw else torch.zeros(draft_vocab, dtype=torch.long)  # none: the full vocabulary
+    if "t2d" in raw and not torch.equal(raw["t2d"].bool().nonzero().view(-1), d2t + torch.arange(len(d2t))):
+        raise ValueError(f"EAGLE-3 head {path}: its d2t and t2d do not describe the same draft vocabulary")
+    layers = hf.get("eagle_aux_hidden_state_layer_ids") or default_feature_layers(t.n_layer)
+    head = Eagle3Head(args, t.dim, layers, draft_vocab, hf.get("norm_before_residual", speculators))
+    weights = {ours: raw[prefix + theirs] for theirs, ours in EAGLE3_KEYS.items()}
+    weights.update({"fc.weight": raw["fc.weight"], "norm.weight": raw["norm.weight"],
+                    "lm_head.weight": raw["lm_head.weight"], "d2t": d2t,
+                    "layer.attention.wqkv.weight": _fused_qkv(raw, prefix, args)})
+    return head, weights
+
+
+def random_head(target, seed=0, scale=1.0, kind="eagle", draft_vocab_size=None):
+    """An untrained head (for tests and for measuring the machinery): output is still exact, acceptance low.
+    kind "eagle3": an Eagle3Head over a draft vocabulary of the draft_vocab_size target ids spread evenly."""
     torch.manual_seed(seed)
-    head = EagleHead(head_config_from_target(target.config))
+    config = head_config_from_target(target.config)
+    if kind == "eagle3":
+        V = target.config.vocab_size
+        n = draft_vocab_size or V
+        head = Eagle3Head(config, target.config.dim, default_feature_layers(target.config.n_layer), n)
+        head.d2t.copy_(torch.linspace(0, V - 1, n).long() - torch.arange(n))
+    else:
+        head = EagleHead(config)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if not name.endswith("norm.weight"):

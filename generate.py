@@ -19,6 +19,7 @@ import torch
 import kernels
 
 from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, load_head, random_head,
+                        target_features,
                         tree_ancestors, tree_attention_mask, tree_from_paths)
 from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, default_checkpoint,  # noqa: F401
                    default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
@@ -103,12 +104,18 @@ def guards_checked_once(calls_so_far: int):
     return torch.compiler.set_stance(skip_guard_eval_unsafe=calls_so_far > 0)
 
 
+def cache_key() -> str:
+    return f"{torch.backends.cpu.get_cpu_capability().lower()}-{kernels.isa()}-torch{torch.__version__}"
+
+
 def compile_steps(device="cpu"):
     """torch.compile what runs every step, like gpt-fast: the plain decode step and the EAGLE cycle (draft and
     verification in one graph: one compiled call, one guard check and one host sync per cycle). Static shapes; on
     CUDA the graphs replay as CUDA graphs (mode="reduce-overhead"). Compiled code is cached on disk."""
     global decode_one_token, decode_batch_step, eagle_cycle
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor-cache"))
+    # one cache per instruction set: a workspace that comes back on another kind of CPU (AVX2 after AVX-512) must
+    # not reuse kernels compiled for the other one (a shared directory served an AVX-512 run's graph to AVX2 code)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor-cache" / cache_key()))
     # Round bf16 values where eager rounds them. Without this Inductor keeps fused intermediates in fp32 and fuses
     # differently for 1 token and for a tree, and bf16 EAGLE parts from plain decoding within a few dozen tokens.
     torch._inductor.config.emulate_precision_casts = True
@@ -245,7 +252,7 @@ def draft_step(drafter, features, tokens, start, last):
             torch.cat([torch.zeros(1, dtype=torch.long, device=L.device), parents.long()]), L)
 
 
-def verify_step(model, tree_tokens, parents, L, max_depth: int, **sampling):
+def verify_step(model, tree_tokens, parents, L, max_depth: int, feature_layers=(), **sampling):
     """One target forward over the root and every node (each sees the prefix and its ancestors), at positions
     L + depth. Keeps the longest accepted path, moves its K/V entries to contiguous slots L..L+len, and returns
     what the head is fed next: the accepted tokens then the bonus token (max_depth+1,), the target features at
@@ -254,7 +261,10 @@ def verify_step(model, tree_tokens, parents, L, max_depth: int, **sampling):
     anc, depth = tree_ancestors(parents, max_depth)  # (N1, N1), (N1,)
     slots = L + torch.arange(N1, device=device)
     mask = tree_attention_mask(L, S, anc)
-    logits, features = model(tree_tokens[None].int(), slots, mask=mask, rope_pos=L + depth, return_features=True)
+    logits, features = model(tree_tokens[None].int(), slots, mask=mask, rope_pos=L + depth, return_features=True,
+                             feature_layers=feature_layers)
+    if feature_layers:  # EAGLE-3 reads three hidden states side by side
+        features = torch.cat(features, dim=-1)
     choices = choose_tokens(logits[0], tree_tokens, parents, **sampling).long()  # (N1,)
     matches = tree_tokens == choices[parents]
     matches[0] = True
@@ -281,7 +291,8 @@ def eagle_cycle(model, drafter, features, tokens, start, n_accepted, **sampling)
     forward. Returns what the next cycle needs, and (n_accepted, accepted tokens + bonus) in one tensor for the
     host to read: the one sync per cycle."""
     tree_tokens, parents, L = draft_step(drafter, features, tokens, start, n_accepted)
-    next_tokens, next_features, n_accepted = verify_step(model, tree_tokens, parents, L, drafter.depth, **sampling)
+    next_tokens, next_features, n_accepted = verify_step(model, tree_tokens, parents, L, drafter.depth,
+                                                         drafter.head.feature_layers, **sampling)
     return next_tokens, next_features, n_accepted, L, torch.cat([n_accepted.view(1), next_tokens])
 
 
@@ -293,7 +304,8 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
                          f"but the KV cache holds {S} (raise --max_seq_length or shrink the tree)")
     head.setup_caches(S)
     logits, features = model(prompt.view(1, -1), torch.arange(T, device=device), return_features=True,
-                             last_logits_only=True)
+                             last_logits_only=True, feature_layers=head.feature_layers)
+    features = target_features(features, head)
     root = sample(logits[:, -1], **sampling).view(1)
     if T > 1:  # the head sees the pairs (f_t, x_{t+1}) for t < T-1; the last pair starts the first cycle
         pos = torch.arange(T - 1, device=device)
@@ -621,12 +633,19 @@ def main(argv=None):
     if args.batch_size > 1:
         drafter = None
 
-    global prefill
-    if args.compile:
-        compile_steps(device)
-    if args.compile_prefill:
-        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+    steps = {name: globals()[name] for name in ("decode_one_token", "decode_batch_step", "eagle_cycle", "prefill")}
+    try:  # compiled for this run only: main() called in-process (tests) leaves the module as it found it
+        if args.compile:
+            compile_steps(device)
+        if args.compile_prefill:
+            globals()["prefill"] = torch.compile(prefill, fullgraph=True, dynamic=True)
+        run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, rank)
+    finally:
+        globals().update(steps)
 
+
+def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, rank):
+    """The generation loop of main(): one prompt (--num_samples times), a batch, or a chat."""
     messages = []
     size = model_size_bytes(model)
     if args.batch_size > 1:

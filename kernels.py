@@ -86,8 +86,9 @@ struct Lin {
   const float* bias;       // (N,) or null
   void* out;               // (M, N) fp32 or bf16
   bool out_bf16;
-  const float* xsum;       // int4 with BF16 dot products: (M, K/G) sums of x over each group
+  int64_t n_base = 0;      // the first row of the weights at w (a dequantized block's buffer starts at its block)
   const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
+    n -= n_base;
     if (offsets) {  // int4: blocks of 64 columns, 16 bytes for each 32
       return w + (((n >> 2) * (K >> 6) + (kb >> 1)) * 4 + (n & 3)) * block_bytes + (kb & 1) * 16;
     }
@@ -101,13 +102,6 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
-}
-
-inline float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // the last step for four output columns n..n+3 of row m: int8 scale, bias, store
@@ -185,8 +179,6 @@ inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
 // weights as they are, int8 converted exactly, int4 dequantized and rounded to bf16).
 template <int WT>
 struct F32Step {
-  static constexpr int COLS = 32;
-  static inline __m128 epilogue(const Lin&, int64_t, int64_t, __m128 sums) { return sums; }
   struct W { __m512 lo, hi; };
   struct X { __m512 lo, hi; };
   static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) { wload512<WT>(a, n, kb, w.lo, w.hi); }
@@ -201,8 +193,6 @@ struct F32Step {
 
 template <int WT>
 struct Bf16Step {
-  static constexpr int COLS = 32;
-  static inline __m128 epilogue(const Lin&, int64_t, int64_t, __m128 sums) { return sums; }
   struct W { __m512bh v; };
   struct X { __m512bh v; };
   static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) {
@@ -220,44 +210,6 @@ struct Bf16Step {
   static inline __m512 madd(__m512 acc, const X& x, const W& w) { return _mm512_dpbf16_ps(acc, x.v, w.v); }
 };
 
-// int4 with BF16 dot products, 64 columns a step (two 32-column pieces of a step are two groups at G = 32): the 32
-// bytes widen to 16-bit lanes; 0x4300 | q is exactly the bf16 of 128 + q, so no conversion is needed, and
-// sum_k x_k w_k = scale * sum_k x_k (128 + q_k) + (offset - 128 * scale) * sum_k x_k per group: the first term
-// here (fp32 lanes 0-7 hold the first group's pairs, 8-15 the second's), the second in the epilogue.
-struct Int4Bf16Step {
-  static constexpr int COLS = 64;
-  struct W { __m512bh lo, hi; __m512 s; };
-  struct X { __m512bh lo, hi; };
-  static inline void load(const Lin& a, int64_t n, int64_t kb, W& w) {  // kb counts 32-column pieces, even
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)a.row(n, kb)));
-    const __m512i bias = _mm512_set1_epi16(0x4300);
-    w.lo = (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(15), bias, 0xEA);  // (v & 15) | bias
-    w.hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
-    const int64_t g0 = n * a.groups + ((32 * kb) >> a.gshift), g1 = n * a.groups + ((32 * kb + 32) >> a.gshift);
-    w.s = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(a.scales[g0]), _mm512_set1_ps(a.scales[g1]));
-  }
-  static inline void xload(const Lin& a, int64_t m, int64_t kb, X& x) {  // x permuted: 32 evens, then 32 odds
-    x.lo = (__m512bh)_mm512_loadu_si512(a.xb + m * a.K + 32 * kb);
-    x.hi = (__m512bh)_mm512_loadu_si512(a.xb + m * a.K + 32 * kb + 32);
-  }
-  static inline __m512 madd(__m512 acc, const X& x, const W& w) {
-    return _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x.lo, w.lo), x.hi, w.hi), w.s, acc);
-  }
-  static inline __m128 epilogue(const Lin& a, int64_t m, int64_t n0, __m128 sums) {
-    const int64_t G = a.groups;
-    float s[4];
-    _mm_storeu_ps(s, sums);
-    for (int j = 0; j < 4; j++) {
-      const float* sc = a.scales + (n0 + j) * G;
-      const float* of = a.offsets + (n0 + j) * G;
-      float corr = 0.0f;
-      for (int64_t g = 0; g < G; g++) corr += (of[g] - 128.0f * sc[g]) * a.xsum[m * G + g];
-      s[j] += corr;
-    }
-    return _mm_loadu_ps(s);
-  }
-};
-
 // activation rows m0..m0+MB-1 x weight rows n0..n0+3: one accumulator each, summed over K in one fixed order
 template <class Step>
 struct Kernel512 {
@@ -266,7 +218,7 @@ struct Kernel512 {
     __m512 acc[MB][4];
     for (int i = 0; i < MB; i++)
       for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < a.K / 32; kb += Step::COLS / 32) {
+    for (int64_t kb = 0; kb < a.K / 32; kb++) {
       typename Step::W w[4];
       for (int j = 0; j < 4; j++) Step::load(a, n0 + j, kb, w[j]);
       for (int i = 0; i < MB; i++) {
@@ -276,7 +228,7 @@ struct Kernel512 {
       }
     }
     for (int i = 0; i < MB; i++)
-      finish4(a, m0 + i, n0, Step::epilogue(a, m0 + i, n0, reduce4_512(acc[i][0], acc[i][1], acc[i][2], acc[i][3])));
+      finish4(a, m0 + i, n0, reduce4_512(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
   }
   static void rows(const Lin& a, int64_t m0, int mb, int64_t n0) {
     switch (mb) {
@@ -289,6 +241,43 @@ struct Kernel512 {
     }
   }
 };
+
+// int8 and int4 weights with BF16 dot products: each block of 4 weight rows is converted once into bf16 in a small
+// buffer (int8 exactly, its scale applied at the end; int4 dequantized, q * scale + offset, and rounded), which the
+// bf16 kernel then reads for every block of activation rows: the conversion is paid once per weight, not once
+// per activation block, so 5 or 17 tokens cost what bf16 weights do in compute, for half or a quarter the bytes.
+template <int WT>
+void run_dequantized(const Lin& a) {
+  Lin b = a;  // reads the buffer: plain bf16 rows of one block
+  b.block_bytes = 64;
+  b.offsets = nullptr;
+  if (WT == W_I4) b.scales = nullptr;  // already in the weights
+  const int64_t blocks = a.N / 4, KB = a.K / 32;
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(a.K, 1));
+  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, a.M - p0), n_mb = (rows + 5) / 6;
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      std::vector<uint16_t> buf(4 * a.K);
+      Lin c = b;
+      c.w = (const char*)buf.data();
+      for (int64_t blk = b0; blk < b1; blk++) {
+        const int64_t n0 = 4 * blk;
+        for (int64_t kb = 0; kb < KB; kb++)
+          for (int j = 0; j < 4; j++) {
+            __m512 lo, hi;
+            wload512<WT>(a, n0 + j, kb, lo, hi);
+            _mm512_storeu_si512(buf.data() + (kb * 4 + j) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          }
+        c.n_base = n0;
+        for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
+          const int mb = (int)((p0 + rows - m0) / (n_mb - i));
+          Kernel512<Bf16Step<W_BF16>>::rows(c, m0, mb, n0);
+          m0 += mb;
+        }
+      }
+    });
+  }
+}
 
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
 inline __m512 exp512(__m512 x) {
@@ -454,7 +443,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
-        nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16, nullptr};
+        nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
   at::Tensor sc, of, bs;
   if (scales) {
     TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32");
@@ -485,25 +474,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   at::Tensor xb, xf;
   if (level == AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32) {  // BF16 dot products
     xb = x.contiguous();
-    at::Tensor xs;
-    if (wt == W_I4) {  // x in the nibbles' order, 64 columns at a time, and its sum over each group
-      xs = at::empty({M, a.groups}, x.options().dtype(at::kFloat));
-      float* sums = xs.data_ptr<float>();
-      const uint16_t* xp = (const uint16_t*)xb.data_ptr();
-      for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < a.groups; g++) {
-          float s = 0.0f;
-          for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) s += from_bf16(xp[m * K + k]);
-          sums[m * a.groups + g] = s;
-        }
-      a.xsum = sums;
+    if (wt == W_I4) {  // x in the nibbles' order: each 32 columns as evens, then odds
       xb = xb.clone();
-      permute_for_int4((uint16_t*)xb.data_ptr(), M, K, 64);
+      permute_for_int4((uint16_t*)xb.data_ptr(), M, K, 32);
     }
     a.xb = (const uint16_t*)xb.data_ptr();
+    // up to 6 rows (one activation block) the weights are converted in registers, more rows read them converted
+    // once into the block's buffer: the same bf16 values either way, so every row is the same whatever M is
     if (wt == W_BF16) run_linear<Kernel512<Bf16Step<W_BF16>>>(a, 6);
-    else if (wt == W_I8) run_linear<Kernel512<Bf16Step<W_I8>>>(a, 6);
-    else run_linear<Kernel512<Int4Bf16Step>>(a, 6);
+    else if (wt == W_I8 && M <= 6) run_linear<Kernel512<Bf16Step<W_I8>>>(a, 6);
+    else if (wt == W_I8) run_dequantized<W_I8>(a);
+    else if (M <= 6) run_linear<Kernel512<Bf16Step<W_I4>>>(a, 6);
+    else run_dequantized<W_I4>(a);
     return out;
   }
   xf = x.to(at::kFloat).contiguous();

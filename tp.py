@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model import Linear, Transformer
+from model import Transformer
 from quantize import Int4Linear, Int8Linear
 
 

@@ -28,10 +28,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
+from torch import Tensor
 
 import kernels
-from eagle_head import EagleHead, head_config_from_target, save_head, target_info
+from eagle_head import Eagle3Head, EagleHead, default_feature_layers, head_config_from_target, save_head, target_info
+from model import apply_rotary_emb
 from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate, generate_batch,
                       load_model)
 from tokenizer import apply_chat_template, get_tokenizer
@@ -123,8 +126,8 @@ def benchmark_prompts() -> list:
     return [" ".join(p.split())[:120] for p in prompts if len(p.strip()) >= 20]
 
 
-def load_examples(data, limit):
-    """The first `limit` usable records of --data (JSONL) or of ShareGPT, benchmark prompts excluded."""
+def load_examples(data, limit, skip=0):
+    """`limit` usable records of --data (JSONL) or of ShareGPT after the first `skip`, benchmark prompts excluded."""
     if data:
         path = Path(data)
         if not path.is_file():
@@ -142,9 +145,9 @@ def load_examples(data, limit):
         if banned and any(b in " ".join(text.split()) for b in banned):
             continue
         out.append((str(r.get("id", len(out))), ex))
-        if len(out) >= limit:
+        if len(out) >= limit + skip:
             break
-    return out
+    return out[skip:]
 
 
 def is_validation(example_id: str, fraction: float) -> bool:
@@ -209,14 +212,20 @@ def extract(args):
     tokenizer = get_tokenizer(checkpoint)
     config = model.checkpoint_config
     template, system = config.get("chat_template", "none"), config.get("default_system_prompt")
-    examples = load_examples(args.data, args.num_conversations)
+    examples = load_examples(args.data, args.num_conversations, args.skip_conversations)
     meta = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_len": args.max_len, "data": args.data or
-            "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate}
-    (out / "extract_config.json").write_text(json.dumps(meta, indent=2))
+            "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate,
+            "regen_temperature": args.regen_temperature,
+            "feature_layers": list(default_feature_layers(model.config.n_layer)) if args.fused else None}
+    meta_path = out / f"{args.shard_prefix}extract_config.json"
+    meta_path.write_text(json.dumps(meta, indent=2))
     shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
-    todo = [i for i in range(len(shards)) if not (out / "features" / f"shard_{i:05d}.safetensors").is_file()]
+    todo = [i for i in range(len(shards)) if not (out / "features" / f"{args.shard_prefix}shard_{i:05d}.safetensors").is_file()]
     print(f"{len(examples)} conversations in {len(shards)} shards, {len(shards) - len(todo)} already done",
           file=sys.stderr)
+    if args.regenerate and args.compile:
+        import generate as gen
+        gen.compile_steps(args.device)  # the batched decode step, compiled once for --regen_batch rows
     model.setup_caches(1, args.max_len + 8)
     bar = tqdm(total=sum(len(shards[i]) for i in todo), desc="features", unit="conv")
     n_tokens, t0 = 0, time.perf_counter()
@@ -225,15 +234,23 @@ def extract(args):
         shard = regenerate(model, tokenizer, shards[i], template, system, config, args) if args.regenerate else shards[i]
         if args.regenerate:
             model.setup_caches(1, args.max_len + 8)
-            write_jsonl(out / "regenerated" / f"shard_{i:05d}.jsonl", shard)
+            write_jsonl(out / "regenerated" / f"{args.shard_prefix}shard_{i:05d}.jsonl", shard)
         for ex_id, ex in shard:
             ids, mask = tokenize_example(ex, tokenizer, template, system, args.max_len)
             if len(ids) < 3 or sum(mask[1:]) == 0:
                 bar.update(1)
                 continue
             x = torch.tensor([ids], device=args.device)
-            _, feats = model(x, torch.arange(len(ids), device=args.device), return_features=True,
-                             last_logits_only=True)  # the features are what is kept: skip the LM head
+            if args.fused:  # EAGLE-3: also the three hidden states its head fuses, and the target's own picks
+                layers = default_feature_layers(model.config.n_layer)
+                logits, hidden = model(x, torch.arange(len(ids), device=args.device), return_features=True,
+                                       feature_layers=(*layers, model.config.n_layer))
+                feats = hidden[-1]
+                rows.setdefault("fused", []).append(torch.cat(hidden[:3], -1)[0].to(torch.bfloat16).cpu())
+                rows.setdefault("top1", []).append(logits[0].argmax(-1).int().cpu())
+            else:
+                _, feats = model(x, torch.arange(len(ids), device=args.device), return_features=True,
+                                 last_logits_only=True)  # the features are what is kept: skip the LM head
             rows["tokens"].append(x[0].int().cpu())
             rows["features"].append(feats[0].to(torch.bfloat16).cpu())
             rows["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
@@ -244,10 +261,11 @@ def extract(args):
             bar.set_postfix(tok_per_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
         if not rows["split"]:
             continue
+        extra = {k: torch.cat(rows[k]) for k in ("fused", "top1") if k in rows}
         atomic_save({"tokens": torch.cat(rows["tokens"]), "features": torch.cat(rows["features"]),
                      "loss_mask": torch.cat(rows["loss_mask"]), "offsets": torch.tensor(rows["offsets"]),
-                     "split": torch.tensor(rows["split"], dtype=torch.uint8)},
-                    out / "features" / f"shard_{i:05d}.safetensors")
+                     "split": torch.tensor(rows["split"], dtype=torch.uint8), **extra},
+                    out / "features" / f"{args.shard_prefix}shard_{i:05d}.safetensors")
     bar.close()
     print(f"extracted {n_tokens} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
@@ -279,7 +297,9 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
                 asked.append(i)
             if not prompts:
                 break
-            replies = generate_batch(model, prompts, args.regen_tokens, stop, **sampling)
+            # a full batch every time (copies of the first prompt, dropped after), so a compiled step compiles once
+            padded = prompts + [prompts[0]] * (args.regen_batch - len(prompts))
+            replies = generate_batch(model, padded, args.regen_tokens, stop, **sampling)[:len(prompts)]
             for i, ids in zip(asked, replies):
                 out[i].append({"role": "assistant", "content": tokenizer.decode([t for t in ids if t not in stop])})
                 turn[i] += 1
@@ -289,17 +309,21 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
 # ---------------------------------------------------------------- training
 
 def load_features(out: Path):
-    """All shards -> list of (tokens, features, loss_mask) per sequence, split into train and validation."""
+    """All shards -> list of (tokens, features, loss_mask[, fused, top1]) per sequence, split into train and
+    validation."""
     from safetensors.torch import load_file
     train, val = [], []
-    files = sorted((out / "features").glob("shard_*.safetensors"))
+    files = sorted((out / "features").glob("*shard_*.safetensors"))  # every pass's shards (--shard_prefix)
     if not files:
         raise FileNotFoundError(f"no feature shards in {out / 'features'}: run `python train.py extract` first")
     for f in files:
         s = load_file(str(f))
         o = s["offsets"].tolist()
         for j in range(len(o) - 1):
-            seq = (s["tokens"][o[j]:o[j + 1]].long(), s["features"][o[j]:o[j + 1]], s["loss_mask"][o[j]:o[j + 1]])
+            cut = slice(o[j], o[j + 1])
+            seq = (s["tokens"][cut].long(), s["features"][cut], s["loss_mask"][cut])
+            if "fused" in s:  # EAGLE-3 runs: the fused features and the target's top-1 too
+                seq += (s["fused"][cut], s["top1"][cut].long())
             (val if s["split"][j] else train).append(seq)
     return train, val
 
@@ -312,7 +336,7 @@ def make_batch(seqs):
     tokens = torch.zeros(B, T, dtype=torch.long)
     inputs, targets = torch.zeros(B, T, dim), torch.zeros(B, T, dim)
     mask = torch.zeros(B, T)
-    for b, (tok, feat, m) in enumerate(seqs):
+    for b, (tok, feat, m, *_) in enumerate(seqs):
         n = len(tok) - 1
         tokens[b, :n], inputs[b, :n], targets[b, :n] = tok[1:], feat[:-1].float(), feat[1:].float()
         mask[b, :n] = m[1:].float()  # the predicted feature belongs to an assistant token
@@ -348,7 +372,7 @@ def multi_step_accuracy(head, seqs, steps=4, starts_per_seq=16, seed=0):
     own predicted features for the last k positions (the paper's 0-alpha, 1-alpha, ... curves)."""
     g = torch.Generator().manual_seed(seed)
     hits, total = [0] * (steps + 1), [0] * (steps + 1)
-    for tok, feat, m in seqs:
+    for tok, feat, m, *_ in seqs:
         T = len(tok)
         valid = [t for t in range(T - steps - 2) if m[t + 1:t + steps + 2].all()]
         if not valid:
@@ -376,7 +400,7 @@ def validation_tau(head, model, seqs, stop_ids, n_prompts=4, max_new_tokens=64):
     before its first assistant token."""
     drafter = Drafter(head, "dynamic")
     new, forwards = 0, 0
-    for tok, _, m in seqs[:n_prompts]:
+    for tok, _, m, *_ in seqs[:n_prompts]:
         first = int(m.nonzero()[0]) if m.any() else len(tok)
         prompt = tok[:max(first, 1)][-256:]  # a plain text is all reply: start it from its first token
         model.setup_caches(1, len(prompt) + max_new_tokens + drafter.headroom + 1)
@@ -384,6 +408,115 @@ def validation_tau(head, model, seqs, stop_ids, n_prompts=4, max_new_tokens=64):
         new += len(toks) - 1
         forwards += stats["target_forwards"]
     return new / max(forwards, 1)
+
+
+# ---------------------------------------------------------------- EAGLE-3: training-time test
+
+def make_batch3(seqs):
+    """EAGLE-3 pairs: the fused target features at t with token x_{t+1}; what the head should predict there is
+    the target's distribution at t+1 (the LM head of its final feature at t+1). Returns tokens (B, T), fused
+    (B, T, 3 dim), final features at t+1 (B, T, dim), the target's top-1 at t+1 (B, T), loss mask (B, T)."""
+    tokens, _, finals, mask = make_batch(seqs)
+    T, B = tokens.shape[1], len(seqs)
+    fused = torch.zeros(B, T, seqs[0][3].shape[-1])
+    top1 = torch.zeros(B, T, dtype=torch.long)
+    for b, (tok, _, _, f, t1) in enumerate(seqs):
+        n = len(tok) - 1
+        fused[b, :n], top1[b, :n] = f[:-1].float(), t1[1:]
+    return tokens, fused, finals, top1, mask
+
+
+def shift(x, k):
+    """x (B, T, ...) moved k positions to the left along T, zero-filled: at t, what was at t + k."""
+    return x if k == 0 else torch.cat([x[:, k:], torch.zeros_like(x[:, :k])], 1)
+
+
+class TrainingTimeTest(nn.Module):
+    """EAGLE-3's training (Li et al., 2025): the head unrolled for `steps` draft steps on its own outputs, as it
+    drafts. Step k at pair t reads token x_{t+1+k} and (k > 0) its own step k-1 output at t, sits at RoPE position
+    t + k, and predicts the target's distribution at t+1+k. Its attention sees the real features' keys up to t
+    (step 0, causal) and, of steps 1..k, only its own position's keys: the diagonal of the draft tree's mask.
+    Loss: sum over steps of 0.8^k x cross-entropy to the target's distribution over the draft vocabulary, on
+    assistant positions whose target top-1 is in that vocabulary. A module, so DDP's forward hooks see it."""
+
+    def __init__(self, head: Eagle3Head, steps: int, target_lm_rows: Tensor, in_vocab: Tensor):
+        super().__init__()
+        self.head, self.steps = head, steps
+        self.register_buffer("target_rows", target_lm_rows, persistent=False)  # (V_d, dim) the target's LM head rows
+        self.register_buffer("in_vocab", in_vocab, persistent=False)  # (V,) bool: t2d
+
+    def unroll(self, tokens, fused):
+        """The head's outputs (before the final norm) at every position, for each unrolled step: a list of (B, T, dim)."""
+        head, layer = self.head, self.head.layer
+        att = layer.attention
+        B, T = tokens.shape
+        hd, H, Hkv = att.head_dim, att.n_head, att.n_local_heads
+        pos = torch.arange(T, device=tokens.device)
+        causal = pos[:, None] >= pos[None, :]
+        g, keys, values, outs = head.fc(fused), [], [], []
+        for k in range(self.steps):
+            normed = layer.hidden_norm(g)
+            x = torch.cat([layer.input_norm(head.embed(shift(tokens, k)).to(g.dtype)), normed], -1)
+            q, kk, v = att.wqkv(x).split([H * hd, Hkv * hd, Hkv * hd], -1)
+            freqs = head.freqs_cis[pos + k]
+            q = apply_rotary_emb(q.view(B, T, H, hd), freqs).transpose(1, 2)  # (B, H, T, hd)
+            kk = apply_rotary_emb(kk.view(B, T, Hkv, hd), freqs).repeat_interleave(H // Hkv, 2).transpose(1, 2)
+            keys.append(kk)
+            values.append(v.view(B, T, Hkv, hd).repeat_interleave(H // Hkv, 2).transpose(1, 2))
+            scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))]  # (B, H, T, T)
+            scores += [(q * kj).sum(-1, keepdim=True) for kj in keys[1:]]  # (B, H, T, 1) each: the diagonal
+            probs = torch.softmax(torch.cat(scores, -1).float() * hd ** -0.5, -1).to(q.dtype)
+            y = probs[..., :T] @ values[0]
+            for j, vj in enumerate(values[1:]):
+                y = y + probs[..., T + j:T + j + 1] * vj
+            h = (normed if layer.norm_before_residual else g) + att.wo(y.transpose(1, 2).reshape(B, T, H * hd))
+            g = h + layer.feed_forward(layer.ffn_norm(h))  # the next step reads this step's output
+            outs.append(g)
+        return outs
+
+    def forward(self, tokens, fused, finals, top1, mask):
+        with torch.no_grad():  # the target's distributions over the draft vocabulary, at every position
+            target_p = torch.softmax(finals @ self.target_rows.t().float(), -1)
+            mask = mask * self.in_vocab[top1].float()
+        losses, counts, correct = [], [], []
+        for k, out in enumerate(self.unroll(tokens, fused)):
+            logp = F.log_softmax(self.head.draft_logits(out).float(), -1)
+            m, p = shift(mask, k), shift(target_p, k)
+            losses.append((-(p * logp).sum(-1) * m).sum() / m.sum().clamp(min=1))
+            counts.append(m.sum())
+            correct.append(((logp.argmax(-1) == p.argmax(-1)).float() * m).sum())
+        loss = sum(0.8 ** k * l for k, l in enumerate(losses))
+        return loss, torch.stack(counts), torch.stack(correct)
+
+
+@torch.no_grad()
+def ttt_accuracy(trainer, seqs, batch_size=8):
+    """Per unrolled step k: the share of held-out assistant positions where the head's top-1, drafting on its own
+    outputs for k steps, is the target's top-1 (0-alpha, 1-alpha, ...: what each depth of a chain accepts)."""
+    hits, total = 0, 0
+    for i in range(0, len(seqs), batch_size):
+        _, counts, correct = trainer(*make_batch3(seqs[i:i + batch_size]))
+        hits, total = hits + correct, total + counts
+    return (hits / total.clamp(min=1)).tolist()
+
+
+def eagle3_setup(target, train_seqs, args):
+    """An Eagle3Head for the target, its draft vocabulary (the most frequent assistant tokens) and its trainer."""
+    V = target.config.vocab_size
+    size = min(args.draft_vocab or V, V)
+    vocab = frequent_tokens(train_seqs, size)
+    if len(vocab) < size:  # fewer distinct tokens than asked: fill with the smallest unused ids
+        unused = torch.ones(V, dtype=torch.bool)
+        unused[vocab] = False
+        vocab = torch.cat([vocab, unused.nonzero().view(-1)[:size - len(vocab)]]).sort().values
+    head = Eagle3Head(head_config_from_target(target.config), target.config.dim,
+                      default_feature_layers(target.config.n_layer), size)
+    head.d2t.copy_(vocab - torch.arange(size))
+    head = head.to(args.device).attach(target)
+    in_vocab = torch.zeros(V, dtype=torch.bool, device=args.device)
+    in_vocab[vocab.to(args.device)] = True
+    rows = target.output.weight.detach()[vocab.to(args.device)]
+    return head, TrainingTimeTest(head, args.ttt_steps, rows, in_vocab)
 
 
 def lr_at(step, total, warmup, lr):
@@ -430,11 +563,16 @@ def fit(args):
     train_seqs, val_seqs = load_features(out)
     if args.max_train_seqs:
         train_seqs = train_seqs[:args.max_train_seqs]
-    # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
-    vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
-    head = EagleHead(head_config_from_target(target.config), draft_vocab_size=0 if vocab is None else len(vocab))
-    head = head.to(args.device).attach(target)
-    head.set_draft_vocab(vocab)
+    if args.kind == "eagle3":
+        if len(train_seqs[0]) < 5:
+            die(f"{out / 'features'} has no fused features: extract them with `train.py extract --fused`")
+        head, trainer = eagle3_setup(target, train_seqs, args)
+    else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
+        vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
+        head = EagleHead(head_config_from_target(target.config), draft_vocab_size=0 if vocab is None else len(vocab))
+        head = head.to(args.device).attach(target)
+        head.set_draft_vocab(vocab)
+        trainer = head
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
     head.layer.attention.kv_cache = None  # training attends within each sequence, no cache
     global_batch = args.batch_size
@@ -445,14 +583,15 @@ def fit(args):
     total_steps = len(epoch_batches) * args.epochs
     if total_steps == 0:
         die(f"{len(train_seqs)} training sequences are fewer than one batch of {global_batch}")
-    model = torch.nn.parallel.DistributedDataParallel(head) if distributed else head
+    model = torch.nn.parallel.DistributedDataParallel(trainer) if distributed else trainer
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     state_path = out / "train_state.pt"
     step = 0
     if args.resume and state_path.is_file():
         state = torch.load(state_path, map_location="cpu", weights_only=True)
         head.load_state_dict(state["head"])
-        head.set_draft_vocab(head.draft_vocab)  # re-cut the LM head rows for the restored vocabulary
+        if args.kind != "eagle3":
+            head.set_draft_vocab(head.draft_vocab)  # re-cut the LM head rows for the restored vocabulary
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         torch.set_rng_state(state["rng"])
@@ -472,14 +611,21 @@ def fit(args):
         batch_ids = epoch_batches[i]
         # every process builds the global batch and its input noise (from the CPU generator, which the resume
         # state holds), then takes its share of the rows: the same numbers as one process with the whole batch
-        tokens, inputs, targets, mask = make_batch([train_seqs[j] for j in batch_ids])
-        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * 0.1
-        tokens, inputs, targets, mask = (t[rank::world].to(args.device) for t in (tokens, inputs, targets, mask))
         global_count = sum(train_seqs[j][2][1:].sum().item() for j in batch_ids)
+        if args.kind == "eagle3":  # no input noise: the unrolled steps already train on the head's own outputs
+            batch = (t[rank::world].to(args.device) for t in make_batch3([train_seqs[j] for j in batch_ids]))
+            with autocast:
+                loss, counts, corrects = model(*batch)
+            count, correct, tokens = counts[0], corrects[0], torch.zeros(0)
+            seen_tokens += int(counts[0].item())
+        else:
+            tokens, inputs, targets, mask = make_batch([train_seqs[j] for j in batch_ids])
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * 0.1
+            tokens, inputs, targets, mask = (t[rank::world].to(args.device) for t in (tokens, inputs, targets, mask))
+            with autocast:
+                loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask, noise=0)  # noise added above
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, args.warmup, args.lr)
-        with autocast:
-            loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask, noise=0)  # noise added above
         opt.zero_grad(set_to_none=True)
         # DDP averages gradients over processes: scale each local loss so the average is the mean over the
         # global batch's masked tokens, exactly what one process with the whole batch computes
@@ -503,7 +649,7 @@ def fit(args):
         dist.barrier()
     if rank == 0:
         seconds = time.perf_counter() - t0
-        summary = {"steps": total_steps, "epochs": args.epochs, "train_sequences": len(train_seqs),
+        summary = {"kind": args.kind, "steps": total_steps, "epochs": args.epochs, "train_sequences": len(train_seqs),
                    "train_tokens_per_epoch": sum(len(s[0]) for s in train_seqs),
                    "draft_vocab": args.draft_vocab, "bf16": bool(args.bf16),
                    "seconds_this_run": round(seconds, 1),
@@ -512,7 +658,9 @@ def fit(args):
                               f"{torch.get_num_threads()} threads x {world} processes, torch {torch.__version__}"}
         if val_seqs and not args.no_eval:
             head.eval()
-            summary["val_accuracy_by_step"] = [round(a, 4) for a in multi_step_accuracy(head, val_seqs[:args.eval_seqs])]
+            accuracy = (ttt_accuracy(trainer, val_seqs[:args.eval_seqs]) if args.kind == "eagle3"
+                        else multi_step_accuracy(head, val_seqs[:args.eval_seqs]))
+            summary["val_accuracy_by_step"] = [round(a, 4) for a in accuracy]
             head.setup_caches(head.max_seq_length + 1)  # inference needs the KV cache training dropped
             summary["val_tau_dynamic"] = round(validation_tau(head, target, val_seqs, set(
                 target.checkpoint_config.get("stop_token_ids", [])), args.eval_prompts), 3)
@@ -525,8 +673,8 @@ def fit(args):
 
 def frequent_tokens(seqs, size):
     """The `size` target ids that appear most often among the assistant (loss) tokens of seqs."""
-    counts = torch.zeros(max(int(t.max()) for t, _, _ in seqs) + 1, dtype=torch.long)
-    for tok, _, m in seqs:
+    counts = torch.zeros(max(int(s[0].max()) for s in seqs) + 1, dtype=torch.long)
+    for tok, _, m, *_ in seqs:
         counts.index_add_(0, tok[m.bool()], torch.ones(int(m.sum()), dtype=torch.long))
     return counts.topk(min(size, len(counts))).indices.sort().values
 
@@ -546,7 +694,7 @@ def set_vocab(args):
     if vocab is not None and val_seqs:
         inside = torch.zeros(target.config.vocab_size, dtype=torch.bool)
         inside[vocab] = True
-        val_tokens = torch.cat([tok[m.bool()] for tok, _, m in val_seqs])
+        val_tokens = torch.cat([s[0][s[2].bool()] for s in val_seqs])
         print(f"draft vocabulary of {len(vocab)} tokens covers {inside[val_tokens].float().mean():.1%} of held-out "
               f"assistant tokens", file=sys.stderr)
     extra = {k: v for k, v in config.items() if k not in head.config.to_dict() and k not in
@@ -564,6 +712,8 @@ def main(argv=None):
     e.add_argument("--checkpoint", default=None, help="target checkpoint (default: SmolLM2-135M-Instruct)")
     e.add_argument("--data", default=None, help="JSONL of conversations or texts (default: ShareGPT)")
     e.add_argument("--num_conversations", type=int, default=2000)
+    e.add_argument("--skip_conversations", type=int, default=0, help="start after this many (a second pass)")
+    e.add_argument("--shard_prefix", default="", help="name this pass's shards (e.g. sampled_): one run, several passes")
     e.add_argument("--max_len", type=int, default=1024, help="tokens kept per conversation")
     e.add_argument("--shard_size", type=int, default=100, help="conversations per shard")
     e.add_argument("--val_fraction", type=float, default=0.02)
@@ -573,6 +723,10 @@ def main(argv=None):
     e.add_argument("--regen_tokens", type=int, default=256)
     e.add_argument("--regen_temperature", type=float, default=0.0, help="0: greedy replies; ~0.7-1: sampled")
     e.add_argument("--regen_batch", type=int, default=16, help="conversations regenerated together")
+    e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the batched decode step used by --regenerate (default: on)")
+    e.add_argument("--fused", action="store_true",
+                   help="also store the three hidden states an EAGLE-3 head reads (3 x dim a token more)")
     f = sub.add_parser("fit", help="train the head on cached features")
     f.add_argument("--out", required=True)
     f.add_argument("--checkpoint", default=None)
@@ -584,6 +738,10 @@ def main(argv=None):
     f.add_argument("--clip", type=float, default=0.5)
     f.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast (default: on CUDA and on CPUs with AVX-512-BF16, off on AVX2-only CPUs)")
+    f.add_argument("--kind", default="eagle", choices=["eagle", "eagle3"],
+                   help="eagle: EAGLE-1/2 feature regression; eagle3: EAGLE-3 with training-time test (needs features "
+                        "extracted with --fused)")
+    f.add_argument("--ttt_steps", type=int, default=4, help="eagle3: draft steps unrolled in training (the paper: 7)")
     f.add_argument("--draft_vocab", type=int, default=8192,
                    help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152)")
     f.add_argument("--save_every", type=int, default=50)

@@ -486,7 +486,7 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
              [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "5"}],
              [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hello."}]]
     examples = [("a", convs[0]), ("b", convs[1]), ("t", "a plain text"), ("c", convs[2])]
-    args = argparse.Namespace(regen_batch=2, regen_tokens=6, regen_temperature=0.0, max_len=256)
+    args = argparse.Namespace(regen_batch=3, regen_tokens=6, regen_temperature=0.0, max_len=256)
     config = real_model.checkpoint_config
     out = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, config, args)
     assert [i for i, _ in out] == ["a", "b", "t", "c"] and out[2][1] == "a plain text"
@@ -501,3 +501,77 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
                 reply, _ = generate(real_model, torch.tensor(ids), 6, stop, temperature=0)
                 assert m["content"] == real_tokenizer.decode([t for t in reply if t not in stop])
     assert out[1][1][1]["content"] != "5"  # really regenerated
+
+
+# ---------------------------------------------------------------- EAGLE-3: training-time test
+
+def eagle3_sequence(target, n=20, seed=0):
+    """(tokens, final features, loss mask, fused features, target top-1) of one random sequence, as extract --fused."""
+    from eagle_head import default_feature_layers
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, target.config.vocab_size, (n,), generator=g)
+    layers = default_feature_layers(target.config.n_layer)
+    target.setup_caches(1, n)
+    with torch.no_grad():
+        logits, hidden = target(tok[None], torch.arange(n), return_features=True,
+                                feature_layers=(*layers, target.config.n_layer))
+    mask = torch.ones(n, dtype=torch.uint8)
+    mask[:3] = 0
+    return tok, hidden[-1][0], mask, torch.cat(hidden[:3], -1)[0], logits[0].argmax(-1)
+
+
+def test_training_time_test_unrolls_exactly_as_the_head_drafts():
+    """Step k of the unrolled training forward, at every position t, equals what drafting computes there: the head
+    run with its KV cache on its own step k-1 output, at RoPE position t + k, seeing the real features up to t and
+    its own earlier steps at t (the drafting mask). This is what makes training-time test train the drafter that
+    runs."""
+    import argparse
+    target = make_tiny_model(n_layer=4)
+    seq = eagle3_sequence(target)
+    head, trainer = train.eagle3_setup(target, [seq], argparse.Namespace(draft_vocab=64, device="cpu", ttt_steps=3))
+    T = len(seq[0]) - 1
+    head.setup_caches(4 * T + 8)
+    tokens, fused, _, _, _ = train.make_batch3([seq])
+    with torch.no_grad():
+        outs = trainer.unroll(tokens, fused)
+        slots = torch.arange(head.max_seq_length)
+        pos = torch.arange(T)
+        seen = slots[None, :] <= pos[:, None]  # (T, S): the real pairs up to t
+        g = fused[0]
+        for k in range(3):
+            if k:
+                seen = seen | (slots[None, :] == (k * T + pos)[:, None])  # and this step's own slot at t
+            tok_k = torch.cat([tokens[0, k:], torch.zeros(k, dtype=torch.long)])
+            out = head(tok_k[None], g[None], k * T + pos, seen, rope_pos=pos + k)[0]
+            torch.testing.assert_close(out, outs[k][0], atol=1e-4, rtol=1e-4)
+            g = out
+
+
+def test_eagle3_loss_falls_and_fit_writes_a_loadable_head(tmp_path):
+    import argparse
+    from eagle_head import Eagle3Head
+    target = make_tiny_model(n_layer=4)
+    seqs = [eagle3_sequence(target, n=24, seed=s) for s in range(8)]
+    head, trainer = train.eagle3_setup(target, seqs, argparse.Namespace(draft_vocab=64, device="cpu", ttt_steps=3))
+    head.setup_caches(64)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    batch = train.make_batch3(seqs)
+    first = None
+    for _ in range(40):
+        loss, counts, correct = trainer(*batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = first if first is not None else loss.item()
+    assert loss.item() < 0.5 * first and (counts > 0).all()
+    accuracy = train.ttt_accuracy(trainer, seqs)
+    assert len(accuracy) == 3 and accuracy[0] > 0.5  # it learned the fixed batch
+    save = train.save_head(head, tmp_path / "head", train.target_info(target))
+    loaded = load_head(save, target)
+    assert isinstance(loaded, Eagle3Head) and torch.equal(loaded.d2t, head.d2t)
+
+
+def test_fit_eagle3_needs_fused_features(tiny_run, tmp_path, capsys):
+    out = fresh_run(tiny_run, tmp_path, "e3")
+    code, err = exit_code_and_stderr(["fit", "--out", str(out), "--kind", "eagle3"], capsys)
+    assert code == 2 and "extract them with `train.py extract --fused`" in err

@@ -1,0 +1,292 @@
+"""The GPU check: what this project does on one CUDA GPU, measured in a few minutes with nothing downloaded.
+
+    python scripts/gpu_check.py                       # on a GPU: ~5-8 minutes, writes docs/gpu.md and gpu_check.json
+    python scripts/gpu_check.py --tiny --device cpu   # the same code at tiny shapes on the CPU (tests/test_gpu_check.py)
+
+1. The CUDA tests (pytest -m "not slow" on the test files that have CUDA cases), skipped with --no_tests.
+2. Plain decoding of a random-weight model of Llama-2-7B's shape (32 layers, dim 4096, vocabulary 32000) in bf16
+   and in int4 (groups of 32, torch's CUDA kernel): tokens/s against the memory-bandwidth floor, the bandwidth
+   measured in the same run (a device-to-device copy).
+3. The verify-cost curve: one forward over T = 1..64 tokens with a tree mask, relative to T = 1.
+4. EAGLE at controlled acceptance: an oracle drafter proposes the target's own greedy continuation as a chain and
+   is wrong with probability p at each depth, so τ is set by p; tokens/s against τ, next to plain decoding.
+
+Every timed step is captured once as a CUDA graph and replayed (torch.cuda.CUDAGraph on the eager code, so there
+is no compile time to wait for); on the CPU the same functions run as they are. Weights are random (nothing to
+download): speed does not depend on their values, and the oracle makes acceptance independent of a trained head.
+"""
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import generate as gen  # noqa: E402
+from eagle_head import random_head, tree_ancestors, tree_attention_mask  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+SHAPES = {"llama-2-7b": ModelArgs.from_name("llama-2-7b"),
+          "tiny": ModelArgs(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=128,
+                            intermediate_size=256)}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Replay:
+    """fn() captured as a CUDA graph on CUDA (replayed by calling this), or fn itself on the CPU."""
+
+    def __init__(self, fn, device):
+        self.fn, self.graph = fn, None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up outside the graph (allocator, kernels' workspaces)
+                    self.out = fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = fn()
+
+    def __call__(self):
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.out
+
+
+class Graphed:
+    """A step function (generate.decode_one_token, generate.eagle_cycle) run as CUDA graphs: one per input shape
+    and sampling setting, its tensor arguments copied into the graph's own input buffers at each call (what
+    torch.compile's mode="reduce-overhead" does, without the compile time)."""
+
+    def __init__(self, fn, device):
+        self.fn, self.device, self.graphs = fn, device, {}
+
+    def __call__(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return self.fn(*args, **kwargs)
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        key = (tuple((i, args[i].shape, args[i].dtype) for i in tensors), tuple(sorted(kwargs.items())))
+        if key not in self.graphs:
+            static = list(args)
+            for i in tensors:
+                static[i] = args[i].clone()
+            replay = Replay(lambda: self.fn(*static, **kwargs), self.device)
+            self.graphs[key] = (replay, static)
+        replay, static = self.graphs[key]
+        for i in tensors:
+            static[i].copy_(args[i])
+        return replay()
+
+
+def time_ms(fn, device, rounds=20):
+    fn()
+    sync(device)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def copy_bandwidth(device, n_bytes):
+    """Bytes a second the device moves in a large copy (read + write), and the read rate it implies (half)."""
+    x = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), device, rounds=10)
+    return 2 * n_bytes / (ms / 1e3)
+
+
+def random_model(args: ModelArgs, device, dtype, quant=None, seed=0):
+    """Random weights of the given shape, built in `dtype` directly on the device (no fp32 copy of 7B weights)."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, args.dim ** -0.5)
+    model = model.eval()
+    if quant == "int4":
+        import quantize as Q
+        Q.quantize_model(model, "int4", 32)
+        Q.prepare(model.to(device), dtype, pack=device.type == "cpu")
+    elif device.type == "cpu":
+        from model import pack_weights
+        pack_weights(model)
+    return model
+
+
+def decode_speed(model, device, prefix, steps):
+    model.setup_caches(1, prefix + steps + 80)
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, prefix), device=device), torch.arange(prefix, device=device))
+        tok = torch.zeros(1, 1, dtype=torch.int, device=device)
+        pos = torch.tensor([prefix], device=device)
+        step = Replay(lambda: gen.decode_one_token(model, tok, pos, temperature=0), device)
+        ms = time_ms(step, device, rounds=steps)
+    return ms
+
+
+def verify_curve(model, device, prefix, sizes):
+    S = prefix + max(sizes) + 8
+    model.setup_caches(1, S)
+    out = {}
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, prefix), device=device), torch.arange(prefix, device=device))
+        for T in sizes:  # a random tree of T nodes (every parent before its children)
+            g = torch.Generator().manual_seed(T)
+            parents = torch.tensor([0] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)],
+                                   device=device)
+            anc, depth = tree_ancestors(parents, T)
+            L = torch.tensor([prefix], device=device)
+            tokens = torch.randint(0, 100, (1, T), device=device)
+            slots, mask, rope = L + torch.arange(T, device=device), tree_attention_mask(L, S, anc), L + depth
+            step = Replay(lambda: model(tokens, slots, mask=mask, rope_pos=rope), device)
+            out[T] = time_ms(step, device)
+    return out
+
+
+class OracleChain(gen.Drafter):
+    """Drafts the target's own greedy continuation (known in advance), each token replaced by a wrong one with
+    probability p (drawn once per position, so the graph replays it): acceptance at every depth is 1 - p, and
+    τ = sum over k <= depth of (1 - p)^k."""
+
+    def __init__(self, head, future, depth, p, seed=0):
+        super().__init__(head, "chain", depth=depth)
+        g = torch.Generator().manual_seed(seed)
+        self.future = future
+        self.miss = (torch.rand(future.numel() + depth + 1, generator=g) < p).to(future.device)
+
+    def draft(self, h_root, L):
+        idx = (L + 1 + torch.arange(self.depth, device=L.device)).clamp(max=self.future.numel() - 1)
+        tokens = self.future[idx]
+        wrong = self.miss[L + 1 + torch.arange(self.depth, device=L.device)]
+        return torch.where(wrong, (tokens + 1) % 100, tokens), torch.arange(self.depth, device=L.device)
+
+
+def eagle_at_acceptance(model, device, prompt_len, new_tokens, depth, ps):
+    """tokens/s of EAGLE with the oracle chain at each miss probability p, and of plain decoding, in one run, the
+    steps graphed on CUDA. Every EAGLE output must equal plain decoding's."""
+    prompt = torch.randint(0, 100, (prompt_len,), device=device, dtype=torch.int)
+    cache = prompt_len + new_tokens + depth + 8
+    saved = gen.decode_one_token, gen.eagle_cycle
+    gen.decode_one_token, gen.eagle_cycle = Graphed(gen.decode_one_token, device), Graphed(gen.eagle_cycle, device)
+    try:
+        model.setup_caches(1, cache)
+        plain, _ = gen.generate(model, prompt, new_tokens, temperature=0)
+        future = torch.cat([prompt, torch.tensor(plain, device=device, dtype=torch.int)]).long()
+        head = random_head(model)
+        t0 = time.perf_counter()
+        gen.generate(model, prompt, new_tokens, temperature=0)
+        sync(device)
+        plain_tps = new_tokens / (time.perf_counter() - t0)
+        rows = []
+        for p in ps:
+            drafter = OracleChain(head, future, depth, p)
+            gen.generate(model, prompt, 8, temperature=0, draft=drafter)  # warm up (and capture)
+            t0 = time.perf_counter()
+            tokens, stats = gen.generate(model, prompt, new_tokens, temperature=0, draft=drafter)
+            sync(device)
+            tps = len(tokens) / (time.perf_counter() - t0)
+            if tokens != plain[:len(tokens)]:
+                raise AssertionError(f"EAGLE output differs from plain decoding at p = {p}")
+            rows.append({"p_miss": p, "tau": round(stats["mean_accepted"], 3), "tokens_per_s": round(tps, 1),
+                         "speedup": round(tps / plain_tps, 3)})
+    finally:
+        gen.decode_one_token, gen.eagle_cycle = saved
+    return plain_tps, rows
+
+
+def run_tests(device):
+    files = ["tests/test_generate.py", "tests/test_eagle.py", "tests/test_quantize.py"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-k", "cuda", *files], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    return {"returncode": r.returncode, "summary": (r.stdout.strip().splitlines() or [""])[-1]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU test); default Llama-2-7B's")
+    p.add_argument("--no_tests", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="JSON results (default: gpu_check.json)")
+    p.add_argument("--doc", type=Path, default=None, help="markdown report (default on CUDA: docs/gpu.md)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA GPU here (run with --tiny --device cpu for the CPU version)", file=sys.stderr)
+        return 2
+    shape = SHAPES["tiny" if args.tiny else "llama-2-7b"]
+    prefix, steps = (32, 10) if args.tiny else (512, 50)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+               "torch": torch.__version__, "shape": "tiny" if args.tiny else "llama-2-7b"}
+    t_start = time.perf_counter()
+    if not args.no_tests and device.type == "cuda":
+        results["tests"] = run_tests(device)
+    bw = copy_bandwidth(device, 1 << (24 if args.tiny else 31))
+    results["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
+    decode = {}
+    for quant in (None, "int4"):
+        model = random_model(shape, device, torch.bfloat16, quant)
+        weight_bytes = gen.model_size_bytes(model)
+        ms = decode_speed(model, device, prefix, steps)
+        floor_ms = weight_bytes / (bw / 2) * 1e3  # reading the weights once, at the copy's read rate
+        decode[quant or "bf16"] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1),
+                                   "weights_GB": round(weight_bytes / 1e9, 2), "floor_ms": round(floor_ms, 3),
+                                   "fraction_of_floor": round(floor_ms / ms, 3)}
+        if quant is None:
+            sizes = [1, 2, 4, 8, 16, 32, 64]
+            curve = verify_curve(model, device, prefix, sizes)
+            results["verify_cost"] = {T: {"ms": round(v, 3), "vs_T1": round(v / curve[1], 3)} for T, v in curve.items()}
+            plain_tps, rows = eagle_at_acceptance(model, device, prefix, 24 if args.tiny else 96, depth=4,
+                                                  ps=[0.0, 0.2, 0.4, 0.7])
+            results["eagle_oracle"] = {"depth": 4, "plain_tokens_per_s": round(plain_tps, 1), "rows": rows}
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["decode"] = decode
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    out = args.out or ROOT / "gpu_check.json"
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    doc = args.doc or (ROOT / "docs" / "gpu.md" if device.type == "cuda" else None)
+    if doc:
+        write_doc(results, doc)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def write_doc(r, path):
+    lines = [f"# Measured on {r['device']} (scripts/gpu_check.py, torch {r['torch']}, {r['shape']} shape, random "
+             f"weights, one run of {r['seconds']} s)", "",
+             f"Copy bandwidth: {r['copy_bandwidth_GBps']} GB/s (read + write).", "",
+             "| weights | ms/token | tokens/s | weights GB | floor ms | fraction of floor |", "|---|---|---|---|---|---|"]
+    for k, d in r["decode"].items():
+        lines.append(f"| {k} | {d['ms_per_token']} | {d['tokens_per_s']} | {d['weights_GB']} | {d['floor_ms']} | "
+                     f"{d['fraction_of_floor']:.0%} |")
+    lines += ["", "| T | " + " | ".join(map(str, r["verify_cost"])) + " |",
+              "|---|" + "---|" * len(r["verify_cost"]),
+              "| verify cost vs T=1 | " + " | ".join(str(v["vs_T1"]) for v in r["verify_cost"].values()) + " |", "",
+              f"EAGLE, oracle chain of {r['eagle_oracle']['depth']} (plain {r['eagle_oracle']['plain_tokens_per_s']} "
+              "tokens/s):", "", "| miss probability | τ | tokens/s | speed-up |", "|---|---|---|---|"]
+    lines += [f"| {x['p_miss']} | {x['tau']} | {x['tokens_per_s']} | {x['speedup']}x |" for x in r["eagle_oracle"]["rows"]]
+    if "tests" in r:
+        lines += ["", f"CUDA tests: {r['tests']['summary']} (exit code {r['tests']['returncode']})."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
