@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import generate as gen
+import kernels
 from eagle_head import load_head, random_head
 from generate import (DTYPES, CheckpointError, default_checkpoint, default_gguf, die, load_model,
                       model_size_bytes, peak_memory_bytes)
@@ -97,7 +98,8 @@ def hf_model_from(model):
     def rotate_half(w, heads):  # inverse of scripts/convert_hf_checkpoint.permute_rotate_half
         return w.view(heads, c.head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
-    sd = model.state_dict()
+    # the plain layout, whatever our model runs with (packed for the CPU kernels, see model.pack_weights)
+    sd = {k: kernels.unpack(v) if v.dim() == 4 else v for k, v in model.state_dict().items()}
     q_size, kv_size = c.n_head * c.head_dim, c.n_local_heads * c.head_dim
     hf_sd = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
              "lm_head.weight": sd["output.weight"]}

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import benchmark
+import kernels
 from benchmark import first_difference, parse_method, summarize
 from conftest import make_tiny_model
+from model import pack_weights
 
 
 def test_method_specs():
@@ -73,9 +75,15 @@ def test_bad_arguments(argv, message, capsys):
     assert e.value.code == 2 and message in err[-1]
 
 
-def test_hf_peer_holds_the_same_weights():
+@pytest.mark.parametrize("packed", [False, True])
+def test_hf_peer_holds_the_same_weights(packed):
     pytest.importorskip("transformers")
     model = make_tiny_model(n_layer=2, tie_embeddings=True)
+    if packed:  # as generate.load_model gives it on CPU: weights re-laid for kernels.py
+        if not kernels.load():
+            pytest.skip("kernels.py did not build here")
+        pack_weights(model)
+        assert model.output.weight.dim() == 4
     model.setup_caches(1, 32)
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
     with torch.no_grad():
