@@ -2,12 +2,14 @@
 
     python scripts/download.py --repo_id HuggingFaceTB/SmolLM2-135M-Instruct
     python scripts/download.py --repo_id meta-llama/Llama-3.2-1B-Instruct --hf_token hf_... --out checkpoints/L32
+    python scripts/download.py --repo_id yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --head   # -> heads/<name>, as published
 
 Only the config, tokenizer and weight files are fetched, into a temporary directory beside the output that
 is deleted after the conversion (scripts/convert_hf_checkpoint.py does the conversion).
 """
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -58,7 +60,7 @@ def fetch(repo_id, local_dir, token=None) -> Path:
     return Path(local_dir)
 
 
-def download(repo_id, out=None, token=None, chat_template=None) -> Path:
+def download(repo_id, out=None, token=None, chat_template=None, head=False) -> Path:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
     try:
@@ -66,8 +68,22 @@ def download(repo_id, out=None, token=None, chat_template=None) -> Path:
     except HFValidationError:
         raise DownloadError(f"bad --repo_id {repo_id!r}: expected owner/name of letters, digits, '-', '_' and '.', "
                             "e.g. HuggingFaceTB/SmolLM2-135M-Instruct") from None
-    out = Path(out) if out else ROOT / "checkpoints" / repo_id.split("/")[-1]
+    out = Path(out) if out else ROOT / ("heads" if head else "checkpoints") / repo_id.split("/")[-1]
     out.parent.mkdir(parents=True, exist_ok=True)
+    if head:  # an EAGLE head is read as published (eagle_head.load_head knows the layouts): no conversion
+        if out.exists():
+            raise DownloadError(f"{out} exists already: remove it or pass another --out")
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.download"))
+        try:
+            fetch(repo_id, tmp, token)
+            if not (tmp / "config.json").is_file():
+                raise DownloadError(f"{repo_id} has no config.json: not an EAGLE head")
+            for cache in tmp.glob(".cache"):  # the Hub client's bookkeeping, not part of the head
+                shutil.rmtree(cache)
+            tmp.rename(out)  # whole or not at all
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
     # beside the output, not in /tmp: the same disk, and /tmp is often too small for the weights
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.download") as tmp:
         hf_dir = fetch(repo_id, tmp, token)
@@ -88,9 +104,11 @@ def main(argv=None):
     p.add_argument("--hf_token", default=None, help="Hub access token, for gated or private repositories")
     p.add_argument("--chat_template", default=None, choices=CHAT_TEMPLATES,
                    help="override the chat format guessed from tokenizer_config.json")
+    p.add_argument("--head", action="store_true",
+                   help="the repository is an EAGLE head: keep its files as published (default out: heads/<name>)")
     a = p.parse_args(argv)
     try:
-        out = download(a.repo_id, a.out, a.hf_token, a.chat_template)
+        out = download(a.repo_id, a.out, a.hf_token, a.chat_template, a.head)
     except DownloadError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,6 +1,7 @@
 """EAGLE-3 heads (eagle_head.Eagle3Head): drafting stays lossless, and published checkpoints load (SafeAILab's
 layout and the speculators / vLLM one), built here as small synthetic checkpoints."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +140,27 @@ def test_eagle3_bf16_exact_on_the_small_m_kernels():
                       total_tokens=4)
     assert drafter.head.fc.weight.dim() == 4  # the head follows its packed target
     assert greedy(model, [1, 2, 3, 4, 5], draft=drafter)[0] == greedy(model, [1, 2, 3, 4, 5])[0]
+
+
+def test_download_keeps_a_published_head_as_is(tmp_path, monkeypatch, capsys):
+    """scripts/download.py --head: the files as published (no conversion), then --draft reads them."""
+    import scripts.download as dl
+    model = make_tiny_model(n_layer=9)
+    head = random_head(model, seed=4, kind="eagle3", draft_vocab_size=40)
+    to_official_eagle3(head, tmp_path / "repo", "safeailab", model.config.vocab_size)
+    asked = []
+
+    def fake_snapshot_download(repo_id, local_dir, allow_patterns, **kw):
+        asked.append(allow_patterns)
+        for f in (tmp_path / "repo").iterdir():
+            if any(f.match(p) for p in allow_patterns):
+                (Path(local_dir) / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(dl, "snapshot_download", fake_snapshot_download)
+    dl.main(["--repo_id", "someone/EAGLE3-tiny", "--head", "--out", str(tmp_path / "heads" / "tiny")])
+    assert "wrote" in capsys.readouterr().out and len(asked) == 1
+    assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == ["tiny"]  # no leftover download directory
+    loaded = load_head(tmp_path / "heads" / "tiny", model)
+    assert torch.equal(loaded.d2t, head.d2t)
+    with pytest.raises(SystemExit):  # an existing output is not overwritten
+        dl.main(["--repo_id", "someone/EAGLE3-tiny", "--head", "--out", str(tmp_path / "heads" / "tiny")])
+    assert "exists already" in capsys.readouterr().err
