@@ -573,6 +573,8 @@ def fit(args):
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
         trainer = head
+    if args.init_head and not (args.resume and (out / "train_state.pt").is_file()):
+        init_from(head, args.init_head, target)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
     head.layer.attention.kv_cache = None  # training attends within each sequence, no cache
     global_batch = args.batch_size
@@ -671,6 +673,29 @@ def fit(args):
         dist.destroy_process_group()
 
 
+def init_from(head, head_dir, target):
+    """Start from a trained head's weights (e.g. the shipped one, to improve it on new data): everything but the
+    draft vocabulary, which stays the one counted on this run's data."""
+    from eagle_head import load_head
+    try:
+        start = load_head(head_dir, target)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        die(f"--init_head {head_dir}: {e}")
+    if type(start) is not type(head):
+        die(f"--init_head {head_dir} is a {type(start).__name__}, this run trains a {type(head).__name__} (--kind)")
+    own = head.state_dict()
+    weights = {k: v for k, v in start.state_dict().items() if k != "draft_vocab"}
+    bad = [k for k, v in weights.items() if k not in own or own[k].shape != v.shape]
+    if bad:
+        die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")
+    if "d2t" in weights and not torch.equal(weights["d2t"], own["d2t"]):  # EAGLE-3: its LM head rows are its vocabulary
+        die(f"--init_head {head_dir} drafts over another vocabulary than this run's data gives")
+    with torch.no_grad():
+        for k, v in weights.items():
+            own[k].copy_(v)
+    print(f"initialised from {head_dir}", file=sys.stderr)
+
+
 def frequent_tokens(seqs, size):
     """The `size` target ids that appear most often among the assistant (loss) tokens of seqs."""
     counts = torch.zeros(max(int(s[0].max()) for s in seqs) + 1, dtype=torch.long)
@@ -746,6 +771,7 @@ def main(argv=None):
                    help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152)")
     f.add_argument("--save_every", type=int, default=50)
     f.add_argument("--resume", action="store_true")
+    f.add_argument("--init_head", default=None, help="start from this trained head's weights (same kind and target)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--device", default="cpu")
     f.add_argument("--max_train_seqs", type=int, default=0)

@@ -391,6 +391,22 @@ def test_fit_writes_a_loadable_head_summary_and_state(tiny_run, tmp_path):
     assert not torch.equal(head.state_dict()["fc.weight"], tiny_head(target).state_dict()["fc.weight"])
 
 
+def test_fit_can_start_from_a_trained_head(tiny_run, tmp_path, capsys):
+    args = ["fit", "--epochs", "1", "--batch_size", "4", "--warmup", "1", "--no_eval"]
+    first = fresh_run(tiny_run, tmp_path, "first")
+    train.main([*args, "--out", str(first)])
+    # learning rate 0: the weights it ends with are the weights it started from
+    again = fresh_run(tiny_run, tmp_path, "again")
+    train.main([*args, "--out", str(again), "--lr", "0", "--init_head", str(first / "head")])
+    assert_same_weights(head_weights(again), head_weights(first))
+    fresh = fresh_run(tiny_run, tmp_path, "fresh")
+    train.main([*args, "--out", str(fresh), "--lr", "0"])
+    assert not torch.equal(head_weights(fresh)["fc.weight"], head_weights(first)["fc.weight"])
+    with pytest.raises(SystemExit):
+        train.main([*args, "--out", str(fresh), "--init_head", str(tmp_path / "nothing")])
+    assert "--init_head" in capsys.readouterr().err
+
+
 def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tmp_path):
     args = ["--epochs", "20", "--batch_size", "4", "--save_every", "2", "--warmup", "5", "--no_eval"]
     total = 20 * (N_TRAIN // 4)
