@@ -272,37 +272,47 @@ def extract(args):
 
 def regenerate(model, tokenizer, examples, template, system, config, args):
     """Self-distillation: every assistant turn replaced by what the target itself says there, given the
-    conversation so far (its own earlier replies included). Conversations go in batches of --regen_batch, one
-    turn at a time (generate.generate_batch); greedy, or sampled at --regen_temperature. Plain texts stay."""
+    conversation so far (its own earlier replies included), up to --regen_turns replies a conversation (the rest of
+    it dropped). Replies are generated --regen_batch at a time (generate.generate_batch), the batch refilled each
+    round from all of the shard's conversations that still have a turn to answer; greedy, or sampled at
+    --regen_temperature. Plain texts stay."""
+    from tqdm import tqdm
     stop = set(config.get("stop_token_ids", []))
     sampling = dict(temperature=args.regen_temperature, top_k=None, top_p=1.0)
     out = [ex if isinstance(ex, str) else [] for _, ex in examples]
-    todo = [i for i, (_, ex) in enumerate(examples) if not isinstance(ex, str)]
+    turn = {i: 0 for i, (_, ex) in enumerate(examples) if not isinstance(ex, str)}  # next message to copy or answer
+    answered = dict.fromkeys(turn, 0)
     model.setup_caches(args.regen_batch, args.max_len + args.regen_tokens + 8)
-    for start in range(0, len(todo), args.regen_batch):
-        group = todo[start:start + args.regen_batch]
-        turn = {i: 0 for i in group}  # next message of examples[i] to copy or answer
-        while turn:
-            prompts, asked = [], []
-            for i in list(turn):
-                messages = examples[i][1]
-                while turn[i] < len(messages) and messages[turn[i]]["role"] != "assistant":
-                    out[i].append(messages[turn[i]])
-                    turn[i] += 1
-                ids = tokenizer.encode(apply_chat_template(out[i], template, system))
-                if turn[i] >= len(messages) or len(ids) >= args.max_len:
-                    del turn[i]  # finished, or long enough already
-                    continue
-                prompts.append(ids)
-                asked.append(i)
-            if not prompts:
+    bar = tqdm(desc="replies", unit="reply", leave=False)
+    while turn:
+        prompts, asked = [], []
+        for i in list(turn):
+            if len(asked) == args.regen_batch:
                 break
-            # a full batch every time (copies of the first prompt, dropped after), so a compiled step compiles once
-            padded = prompts + [prompts[0]] * (args.regen_batch - len(prompts))
-            replies = generate_batch(model, padded, args.regen_tokens, stop, **sampling)[:len(prompts)]
-            for i, ids in zip(asked, replies):
-                out[i].append({"role": "assistant", "content": tokenizer.decode([t for t in ids if t not in stop])})
+            messages = examples[i][1]
+            while turn[i] < len(messages) and messages[turn[i]]["role"] != "assistant":
+                out[i].append(messages[turn[i]])
                 turn[i] += 1
+            ids = tokenizer.encode(apply_chat_template(out[i], template, system))
+            if turn[i] >= len(messages) or len(ids) >= args.max_len or 0 < args.regen_turns <= answered[i]:
+                del turn[i]  # finished, long enough already, or answered as often as asked
+                continue
+            prompts.append(ids)
+            asked.append(i)
+        if not prompts:
+            break
+        # a full batch every time (copies of the first prompt, dropped after), so a compiled step compiles once
+        padded = prompts + [prompts[0]] * (args.regen_batch - len(prompts))
+        replies = generate_batch(model, padded, args.regen_tokens, stop, **sampling)[:len(prompts)]
+        for i, ids in zip(asked, replies):
+            out[i].append({"role": "assistant", "content": tokenizer.decode([t for t in ids if t not in stop])})
+            turn[i] += 1
+            answered[i] += 1
+        bar.update(len(asked))
+    bar.close()
+    # a conversation cut after its last regenerated reply ends on that reply (no dangling user turn)
+    out = [ex if isinstance(ex, str) else ex[:max((k + 1 for k, m in enumerate(ex) if m["role"] == "assistant"),
+                                                  default=0)] for ex in out]
     return [(ex_id, ex) for (ex_id, _), ex in zip(examples, out) if ex]
 
 
@@ -748,6 +758,8 @@ def main(argv=None):
     e.add_argument("--regen_tokens", type=int, default=256)
     e.add_argument("--regen_temperature", type=float, default=0.0, help="0: greedy replies; ~0.7-1: sampled")
     e.add_argument("--regen_batch", type=int, default=16, help="conversations regenerated together")
+    e.add_argument("--regen_turns", type=int, default=0,
+                   help="replies regenerated per conversation, the rest of it dropped (0: all; 1: first turns only)")
     e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the batched decode step used by --regenerate (default: on)")
     e.add_argument("--fused", action="store_true",

@@ -502,7 +502,8 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
              [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "5"}],
              [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hello."}]]
     examples = [("a", convs[0]), ("b", convs[1]), ("t", "a plain text"), ("c", convs[2])]
-    args = argparse.Namespace(regen_batch=3, regen_tokens=6, regen_temperature=0.0, max_len=256)
+    # a batch of 2 for 3 conversations: the second round answers a's second turn beside c's first
+    args = argparse.Namespace(regen_batch=2, regen_tokens=6, regen_temperature=0.0, max_len=256, regen_turns=0)
     config = real_model.checkpoint_config
     out = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, config, args)
     assert [i for i, _ in out] == ["a", "b", "t", "c"] and out[2][1] == "a plain text"
@@ -517,6 +518,9 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
                 reply, _ = generate(real_model, torch.tensor(ids), 6, stop, temperature=0)
                 assert m["content"] == real_tokenizer.decode([t for t in reply if t not in stop])
     assert out[1][1][1]["content"] != "5"  # really regenerated
+    args.regen_turns = 1  # first turns only: the rest of a conversation is dropped
+    first = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, config, args)
+    assert first[0][1] == out[0][1][:2] and first[1] == out[1] and first[3] == out[3]
 
 
 # ---------------------------------------------------------------- EAGLE-3: training-time test
