@@ -208,14 +208,17 @@ def extract(args):
     out = Path(args.out)
     (out / "features").mkdir(parents=True, exist_ok=True)
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
-    model = load_model(checkpoint, args.device, DTYPES[args.dtype])
+    # features: one long sequence at a time, where oneDNN's matmuls on the plain weight layout are the fast path;
+    # the replies (--regenerate, a batch of one-token steps) run on weights packed for kernels.py's small-M kernel
+    model = load_model(checkpoint, args.device, DTYPES[args.dtype], pack=False)
+    reply_model = load_model(checkpoint, args.device, DTYPES[args.dtype]) if args.regenerate else None
     tokenizer = get_tokenizer(checkpoint)
     config = model.checkpoint_config
     template, system = config.get("chat_template", "none"), config.get("default_system_prompt")
     examples = load_examples(args.data, args.num_conversations, args.skip_conversations)
     meta = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_len": args.max_len, "data": args.data or
             "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate,
-            "regen_temperature": args.regen_temperature,
+            "regen_temperature": args.regen_temperature, "regen_turns": args.regen_turns,
             "feature_layers": list(default_feature_layers(model.config.n_layer)) if args.fused else None}
     meta_path = out / f"{args.shard_prefix}extract_config.json"
     meta_path.write_text(json.dumps(meta, indent=2))
@@ -231,9 +234,8 @@ def extract(args):
     n_tokens, t0 = 0, time.perf_counter()
     for i in todo:
         rows = {"tokens": [], "features": [], "loss_mask": [], "offsets": [0], "split": []}
-        shard = regenerate(model, tokenizer, shards[i], template, system, config, args) if args.regenerate else shards[i]
+        shard = regenerate(reply_model, tokenizer, shards[i], template, system, config, args) if args.regenerate else shards[i]
         if args.regenerate:
-            model.setup_caches(1, args.max_len + 8)
             write_jsonl(out / "regenerated" / f"{args.shard_prefix}shard_{i:05d}.jsonl", shard)
         for ex_id, ex in shard:
             ids, mask = tokenize_example(ex, tokenizer, template, system, args.max_len)

@@ -523,6 +523,29 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
     assert first[0][1] == out[0][1][:2] and first[1] == out[1] and first[3] == out[3]
 
 
+def test_extract_regenerate_end_to_end(tmp_path, default_checkpoint):
+    """extract --regenerate --fused on the real target: replies regenerated (written as JSONL), then features and
+    fused features of the regenerated conversations in resumable shards."""
+    data = tmp_path / "chats.jsonl"
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": "x"}]
+             for q in ("Name a colour.", "What is 2 + 2?", "Say hi.")]
+    data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": c}) + "\n" for i, c in enumerate(chats)))
+    out = tmp_path / "run"
+    args = ["extract", "--out", str(out), "--data", str(data), "--regenerate", "--regen_tokens", "5",
+            "--regen_batch", "2", "--no-compile", "--fused", "--shard_size", "2", "--dtype", "float32"]
+    train.main(args)
+    regenerated = [json.loads(line) for f in sorted((out / "regenerated").glob("*.jsonl")) for line in open(f)]
+    assert len(regenerated) == 3 and all(r["conversations"][1]["content"] != "x" for r in regenerated)
+    train_seqs, val_seqs = train.load_features(out)
+    assert len(train_seqs) + len(val_seqs) == 3
+    tok, feat, mask, fused, top1 = (train_seqs + val_seqs)[0]
+    assert feat.shape == (len(tok), 576) and fused.shape == (len(tok), 3 * 576) and top1.shape == tok.shape
+    assert mask.sum() > 0 and not mask[0]
+    files = sorted((out / "features").iterdir())
+    train.main(args)  # resumes: every shard is there, nothing is redone
+    assert [f.stat().st_mtime_ns for f in sorted((out / "features").iterdir())] == [f.stat().st_mtime_ns for f in files]
+
+
 # ---------------------------------------------------------------- EAGLE-3: training-time test
 
 def eagle3_sequence(target, n=20, seed=0):
