@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import train
 from conftest import ROOT, make_tiny_model
-from eagle_head import EagleHead, head_config_from_target, load_head, random_head
+from eagle_head import EagleHead, head_config_from_target, load_head, random_head, save_head, target_info
 from generate import Drafter, load_model
 from tokenizer import apply_chat_template
 
@@ -405,6 +405,25 @@ def test_fit_can_start_from_a_trained_head(tiny_run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main([*args, "--out", str(fresh), "--init_head", str(tmp_path / "nothing")])
     assert "--init_head" in capsys.readouterr().err
+
+
+def test_head_accuracy_script_scores_heads_on_the_held_out_split(tiny_run, tmp_path):
+    ckpt, run = tiny_run
+    target = load_model(ckpt, pack=False)
+    head = tiny_head(target, seed=3)
+    save_head(head, tmp_path / "head", target_info(target))
+    proc = subprocess.run([sys.executable, "scripts/head_accuracy.py", "--run", str(run), "--heads",
+                           str(tmp_path / "head")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = [line for line in proc.stdout.splitlines() if line.startswith(f"| {tmp_path / 'head'} |")][0]
+    printed = [float(x) for x in row.strip("|").split("|")[1:]]
+    _, val = train.load_features(run)
+    loaded = load_head(tmp_path / "head", target)
+    loaded.setup_caches(128)
+    loaded.layer.attention.kv_cache = None
+    with torch.no_grad():
+        expected = train.multi_step_accuracy(loaded, val, 4, 32)
+    assert printed == [round(a, 3) for a in expected]
 
 
 def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tmp_path):
