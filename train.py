@@ -292,8 +292,12 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
             if len(asked) == args.regen_batch:
                 break
             messages = examples[i][1]
-            while turn[i] < len(messages) and messages[turn[i]]["role"] != "assistant":
-                out[i].append(messages[turn[i]])
+            # copy up to the next assistant turn; an assistant turn before any user turn (ShareGPT's split
+            # conversations can start with one) would be a reply to nothing: it is dropped, not answered
+            while turn[i] < len(messages) and (messages[turn[i]]["role"] != "assistant"
+                                               or not any(m["role"] == "user" for m in out[i])):
+                if messages[turn[i]]["role"] != "assistant":
+                    out[i].append(messages[turn[i]])
                 turn[i] += 1
             ids = tokenizer.encode(apply_chat_template(out[i], template, system))
             if turn[i] >= len(messages) or len(ids) >= args.max_len or 0 < args.regen_turns <= answered[i]:

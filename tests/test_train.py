@@ -520,12 +520,16 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
               {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Blue."}],
              [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "5"}],
              [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hello."}]]
-    examples = [("a", convs[0]), ("b", convs[1]), ("t", "a plain text"), ("c", convs[2])]
+    # a split conversation that starts with the assistant: that turn answers nothing and is dropped
+    split = [{"role": "assistant", "content": "...and so on."}, {"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "Red."}]
+    examples = [("a", convs[0]), ("b", convs[1]), ("t", "a plain text"), ("c", convs[2]), ("s", split)]
     # a batch of 2 for 3 conversations: the second round answers a's second turn beside c's first
     args = argparse.Namespace(regen_batch=2, regen_tokens=6, regen_temperature=0.0, max_len=256, regen_turns=0)
     config = real_model.checkpoint_config
     out = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, config, args)
-    assert [i for i, _ in out] == ["a", "b", "t", "c"] and out[2][1] == "a plain text"
+    assert [i for i, _ in out] == ["a", "b", "t", "c", "s"] and out[2][1] == "a plain text"
+    assert out[4][1] == out[0][1][:2]  # the leading assistant turn gone, the rest answered as conversation a
     stop = set(config["stop_token_ids"])
     for (_, new), old in zip([out[0], out[1], out[3]], convs):
         assert [m["role"] for m in new] == [m["role"] for m in old]
@@ -539,7 +543,7 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
     assert out[1][1][1]["content"] != "5"  # really regenerated
     args.regen_turns = 1  # first turns only: the rest of a conversation is dropped
     first = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, config, args)
-    assert first[0][1] == out[0][1][:2] and first[1] == out[1] and first[3] == out[3]
+    assert first[0][1] == out[0][1][:2] and first[1] == out[1] and first[3] == out[3] and first[4] == out[4]
 
 
 def test_extract_regenerate_end_to_end(tmp_path, default_checkpoint):
