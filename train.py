@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-from eagle_head import Eagle3Head, EagleHead, default_feature_layers, head_config_from_target, save_head, target_info
+from eagle_head import (Eagle3Head, EagleHead, default_feature_layers, head_config_from_target, load_head, save_head,
+                        target_info)
 from model import apply_rotary_emb
 from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate, generate_batch,
                       load_model)
@@ -231,6 +232,7 @@ def extract(args):
         import generate as gen
         gen.compile_steps(args.device)  # the batched decode step, compiled once for --regen_batch rows
     model.setup_caches(1, args.max_len + 8)
+    fused_layers = (*default_feature_layers(model.config.n_layer), model.config.n_layer)  # + the final normed state
     bar = tqdm(total=sum(len(shards[i]) for i in todo), desc="features", unit="conv")
     n_tokens, t0 = 0, time.perf_counter()
     for i in todo:
@@ -245,9 +247,8 @@ def extract(args):
                 continue
             x = torch.tensor([ids], device=args.device)
             if args.fused:  # EAGLE-3: also the three hidden states its head fuses, and the target's own picks
-                layers = default_feature_layers(model.config.n_layer)
                 logits, hidden = model(x, torch.arange(len(ids), device=args.device), return_features=True,
-                                       feature_layers=(*layers, model.config.n_layer))
+                                       feature_layers=fused_layers)
                 feats = hidden[-1]
                 rows.setdefault("fused", []).append(torch.cat(hidden[:3], -1)[0].to(torch.bfloat16).cpu())
                 rows.setdefault("top1", []).append(logits[0].argmax(-1).int().cpu())
@@ -284,7 +285,6 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
     sampling = dict(temperature=args.regen_temperature, top_k=None, top_p=1.0)
     out = [ex if isinstance(ex, str) else [] for _, ex in examples]
     turn = {i: 0 for i, (_, ex) in enumerate(examples) if not isinstance(ex, str)}  # next message to copy or answer
-    answered = dict.fromkeys(turn, 0)
     model.setup_caches(args.regen_batch, args.max_len + args.regen_tokens + 8)
     bar = tqdm(desc="replies", unit="reply", leave=False)
     while turn:
@@ -301,7 +301,8 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
                     out[i].append(messages[turn[i]])
                 turn[i] += 1
             ids = tokenizer.encode(apply_chat_template(out[i], template, system))
-            if turn[i] >= len(messages) or len(ids) >= args.max_len or 0 < args.regen_turns <= answered[i]:
+            answered = sum(m["role"] == "assistant" for m in out[i])
+            if turn[i] >= len(messages) or len(ids) >= args.max_len or 0 < args.regen_turns <= answered:
                 del turn[i]  # finished, long enough already, or answered as often as asked
                 continue
             prompts.append(ids)
@@ -314,7 +315,6 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
         for i, ids in zip(asked, replies):
             out[i].append({"role": "assistant", "content": tokenizer.decode([t for t in ids if t not in stop])})
             turn[i] += 1
-            answered[i] += 1
         bar.update(len(asked))
     bar.close()
     # a conversation cut after its last regenerated reply ends on that reply (no dangling user turn)
@@ -530,10 +530,16 @@ def eagle3_setup(target, train_seqs, args):
                       default_feature_layers(target.config.n_layer), size)
     head.d2t.copy_(vocab - torch.arange(size))
     head = head.to(args.device).attach(target)
-    in_vocab = torch.zeros(V, dtype=torch.bool, device=args.device)
-    in_vocab[vocab.to(args.device)] = True
-    rows = target.output.weight.detach()[vocab.to(args.device)]
-    return head, TrainingTimeTest(head, args.ttt_steps, rows, in_vocab)
+    return head, ttt_trainer(head, target, args.ttt_steps)
+
+
+def ttt_trainer(head: Eagle3Head, target, steps: int) -> TrainingTimeTest:
+    """The training-time test of an EAGLE-3 head over its own draft vocabulary (d2t): the target's LM-head rows of
+    those tokens and which target ids they are."""
+    vocab = head.to_target(torch.arange(len(head.d2t), device=head.d2t.device))  # (V_d,) target ids
+    in_vocab = torch.zeros(target.config.vocab_size, dtype=torch.bool, device=vocab.device)
+    in_vocab[vocab] = True
+    return TrainingTimeTest(head, steps, target.output.weight.detach()[vocab], in_vocab)
 
 
 def lr_at(step, total, warmup, lr):
@@ -693,7 +699,6 @@ def fit(args):
 def init_from(head, head_dir, target):
     """Start from a trained head's weights (e.g. the shipped one, to improve it on new data): everything but the
     draft vocabulary, which stays the one counted on this run's data."""
-    from eagle_head import load_head
     try:
         start = load_head(head_dir, target)
     except (FileNotFoundError, ValueError, KeyError) as e:
@@ -724,7 +729,6 @@ def frequent_tokens(seqs, size):
 def set_vocab(args):
     """Give a trained head a reduced draft vocabulary counted on its training data; reports the share of
     held-out assistant tokens it covers (a draft can only ever propose covered tokens)."""
-    from eagle_head import load_head
     out = Path(args.out)
     head_dir = Path(args.head) if args.head else out / "head"
     train_seqs, val_seqs = load_features(out)

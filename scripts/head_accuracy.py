@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import EagleHead, load_head  # noqa: E402
 from generate import CheckpointError, die, load_model  # noqa: E402
-from train import load_features, multi_step_accuracy, run_checkpoint, ttt_accuracy, TrainingTimeTest  # noqa: E402
+from train import load_features, multi_step_accuracy, run_checkpoint, ttt_accuracy, ttt_trainer  # noqa: E402
 
 
 def main():
@@ -50,11 +50,7 @@ def main():
             else:
                 if len(val[0]) < 5:
                     die(f"{args.run} has no fused features for the EAGLE-3 head {d} (extract --fused)")
-                vocab = head.to_target(torch.arange(len(head.d2t)))  # its draft vocabulary, as target ids
-                in_vocab = torch.zeros(target.config.vocab_size, dtype=torch.bool)
-                in_vocab[vocab] = True
-                trainer = TrainingTimeTest(head, args.steps + 1, target.output.weight[vocab], in_vocab)
-                acc = ttt_accuracy(trainer, val)
+                acc = ttt_accuracy(ttt_trainer(head, target, args.steps + 1), val)
             print(f"| {d} | " + " | ".join(f"{a:.3f}" for a in acc) + " |")
 
 
