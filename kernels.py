@@ -666,19 +666,6 @@ def load() -> bool:
     def _(x, w, scales, offsets, bias):
         return x.new_empty(x.shape[0], 4 * w.shape[0])
 
-    def linear_backward(ctx, grad):  # the input's gradient (a head's loss through a frozen, packed LM head)
-        if ctx.needs_weight_grad:
-            raise RuntimeError("eagle_fast::linear: packed weights are frozen (pack_weights is for inference)")
-        w = dequantize(unpack(ctx.packed), ctx.scales, ctx.offsets).to(grad.dtype)
-        return grad @ w, None, None, None, None
-
-    def linear_setup_context(ctx, inputs, output):
-        x, w, scales, offsets, bias = inputs
-        ctx.packed, ctx.scales, ctx.offsets = w, scales, offsets
-        ctx.needs_weight_grad = w.requires_grad or (bias is not None and bias.requires_grad)
-
-    torch.library.register_autograd("eagle_fast::linear", linear_backward, setup_context=linear_setup_context)
-
     @torch.library.register_fake("eagle_fast::attention")
     def _(q, k, v, mask):
         return q.new_empty(q.shape)  # contiguous, like the kernel's output
@@ -729,8 +716,32 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None
     """x (..., K) @ W.T (+ bias) for a packed weight: float in x's dtype, int8 with fp32 scales (N,), or int4 nibbles
     with fp32 scales and offsets (N, K/G), w = q * scale + offset. Any number of rows; each row is computed the
     same way whatever the number."""
-    y = torch.ops.eagle_fast.linear(x.reshape(-1, x.shape[-1]), packed, scales, offsets, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, packed, bias)):
+        y = _FrozenPackedLinear.apply(x2, packed, bias, scales, offsets)
+    else:  # inference calls the C++ op directly: no Python on the way (see _FrozenPackedLinear)
+        y = torch.ops.eagle_fast.linear(x2, packed, scales, offsets, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class _FrozenPackedLinear(torch.autograd.Function):
+    """The input's gradient through a frozen packed weight (a head's loss through the target's packed LM head).
+    Only calls that need a gradient come here. An autograd formula registered on the op itself would be a Python
+    kernel that every inference call passes through, no_grad or not: ~10 us a call, and where the Python stack
+    then ended at a 16 KB chunk boundary CPython 3.11 mapped and unmapped a page for each of the 151 linears of a
+    decode step, which made that step 40-60% slower (docs/performance.md)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, bias, scales, offsets):
+        if packed.requires_grad or (bias is not None and bias.requires_grad):
+            raise RuntimeError("eagle_fast::linear: packed weights are frozen (pack_weights is for inference)")
+        ctx.packed, ctx.scales, ctx.offsets = packed, scales, offsets
+        return torch.ops.eagle_fast.linear(x, packed, scales, offsets, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = dequantize(unpack(ctx.packed), ctx.scales, ctx.offsets).to(grad.dtype)
+        return grad @ w, None, None, None, None
 
 
 def attention_takes(q: Tensor, k: Tensor) -> bool:

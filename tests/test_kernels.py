@@ -1,0 +1,93 @@
+"""kernels.py: the C++ small-M linear and attention against their pure-PyTorch references, row independence (each
+output row the same whatever the number of rows), the input gradient through a frozen packed weight, and that an
+inference call runs no Python."""
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels are not available here")
+
+
+def packed_weight(kind, N=64, K=256, G=64, seed=0):
+    """(packed, scales, offsets, dense fp32 equivalent) for a float, int8 or int4 weight."""
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("float32", "bfloat16"):
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(getattr(torch, kind))
+        return kernels.pack(w), None, None, w.float()
+    if kind == "int8":
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        scales = torch.rand(N, generator=g) / 127
+        return kernels.pack(q), scales, None, q.float() * scales[:, None]
+    nibbles = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    scales, offsets = torch.rand(N, K // G, generator=g) / 15, -torch.rand(N, K // G, generator=g)
+    return kernels.pack(nibbles), scales, offsets, kernels.dequantize(nibbles, scales, offsets)
+
+
+ACT_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+def test_linear_matches_reference_and_rows_are_independent(kind):
+    packed, scales, offsets, dense = packed_weight(kind)
+    bias = torch.randn(64)
+    x = torch.randn(17, 256).to(ACT_DTYPE[kind])
+    y = kernels.linear(x, packed, bias, scales, offsets)
+    ref = kernels.linear_reference(x, packed, bias, scales, offsets)
+    assert y.shape == (17, 64) and y.dtype == x.dtype
+    # the reference is F.linear over the dense weight: a wrong block layout or nibble order is off by ~100%
+    assert torch.allclose(ref.float(), (F.linear(x.float(), dense) + bias).to(x.dtype).float(), rtol=1e-2, atol=1e-2)
+    tol = 1e-5 if kind == "float32" else 2e-2  # bf16 outputs (and BF16 dot products) round at ~3 digits
+    assert (y.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    for M in (1, 2, 5, 9, 16):  # bit for bit the rows of a bigger call: what makes bf16 EAGLE exact
+        assert torch.equal(kernels.linear(x[:M], packed, bias, scales, offsets), y[:M])
+
+
+def test_attention_matches_reference_and_rows_are_independent():
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 6, 5, 64, generator=g).to(dtype)
+        k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(2))
+        mask = torch.rand(1, 5, 40, generator=g) < 0.7
+        mask[..., 0] = True
+        y = kernels.attention(q, k, v, mask)
+        ref = kernels.attention_reference(q, k, v, mask)
+        assert (y.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+        for t in range(5):
+            assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1])
+
+
+@pytest.mark.parametrize("kind", ["float32", "int4"])
+def test_input_gradient_through_a_frozen_packed_weight(kind):
+    packed, scales, offsets, dense = packed_weight(kind)
+    x = torch.randn(3, 4, 256).to(ACT_DTYPE[kind]).requires_grad_()
+    kernels.linear(x, packed, None, scales, offsets).float().square().sum().backward()
+    x2 = x.detach().float().requires_grad_()
+    F.linear(x2, dense).square().sum().backward()
+    assert x.grad.shape == x.shape
+    assert (x.grad.float() - x2.grad).abs().max() <= 0.05 * x2.grad.abs().max()
+    with pytest.raises(RuntimeError, match="frozen"):
+        kernels.linear(torch.randn(2, 256), packed_weight("float32")[0].requires_grad_())
+
+
+def test_an_inference_call_runs_no_python():
+    """A Python autograd kernel on the op ran on every call, no_grad or not; where CPython's frame stack then
+    crossed a chunk boundary, each call mapped and unmapped memory (a decode step 40-60% slower)."""
+    packed = packed_weight("bfloat16")[0]
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    torch.ops.eagle_fast.linear.default(x, packed, None, None, None)  # first call: torch's lazy set-up
+    calls = []
+    profile = lambda frame, event, arg: calls.append(frame.f_code) if event == "call" else None  # noqa: E731
+    for grad_mode in (False, True):  # grad mode on: nothing requires a gradient, no graph is recorded
+        with torch.set_grad_enabled(grad_mode):
+            sys.setprofile(profile)
+            try:
+                torch.ops.eagle_fast.linear.default(x, packed, None, None, None)  # as Inductor's code calls it
+            finally:
+                sys.setprofile(None)
+    python_frames = [c.co_name for c in calls if not c.co_filename.endswith("_ops.py")]  # the op's own __call__
+    assert python_frames == [], python_frames
+    assert len(calls) == 2
