@@ -733,13 +733,14 @@ class _FrozenPackedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, packed, bias, scales, offsets):
-        if packed.requires_grad or (bias is not None and bias.requires_grad):
-            raise RuntimeError("eagle_fast::linear: packed weights are frozen (pack_weights is for inference)")
         ctx.packed, ctx.scales, ctx.offsets = packed, scales, offsets
+        ctx.needs_weight_grad = packed.requires_grad or (bias is not None and bias.requires_grad)
         return torch.ops.eagle_fast.linear(x, packed, scales, offsets, bias)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.needs_weight_grad:
+            raise RuntimeError("eagle_fast::linear: packed weights are frozen (pack_weights is for inference)")
         w = dequantize(unpack(ctx.packed), ctx.scales, ctx.offsets).to(grad.dtype)
         return grad @ w, None, None, None, None
 

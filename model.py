@@ -122,6 +122,8 @@ def pack_weights(module: nn.Module) -> nn.Module:
             if key not in packed:
                 packed[key] = nn.Parameter(kernels.pack(m.weight), requires_grad=False)
             m.weight = packed[key]
+            if m.bias is not None:
+                m.bias.requires_grad_(False)
     for m in module.modules():  # a tied embedding follows its LM head
         if isinstance(m, Embedding) and m.weight.data_ptr() in packed:
             m.weight = packed[m.weight.data_ptr()]
