@@ -210,7 +210,7 @@ def first_difference(a, b):
 def summarize(methods, per_prompt, warmup, memory, args, n_prompts):
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "threads": torch.get_num_threads()},
-               "torch": torch.__version__, "dtype": args.dtype, "compiled": not args.no_compile,
+               "torch": torch.__version__, "dtype": args.dtype, "compiled": not args.no_compile, "cpp_wrapper": args.cpp_wrapper,
                "prompts": str(args.prompts), "n_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
                "peak_memory_bytes_process": peak_memory_bytes(args.device), "methods": {}, "mismatches": []}
     for spec, runs in per_prompt.items():
@@ -300,6 +300,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no_compile", action="store_true", help="eager decoding (compiled by default)")
+    p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++ (CPU)")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--depth", type=int, default=gen.TREE["depth"])
     p.add_argument("--draft_top_k", type=int, default=gen.TREE["top_k"])
@@ -338,7 +339,7 @@ def main(argv=None):
         die(e)
     if not args.no_compile:
         torch._dynamo.config.recompile_limit = 64  # one graph per weights variant and tree shape
-        gen.compile_steps()
+        gen.compile_steps(cpp_wrapper=args.cpp_wrapper)
 
     warmup, memory = {}, {}
     for spec, (run, weights_bytes) in runners.items():  # compile (or warm caches) on the first prompt, timed apart

@@ -108,11 +108,16 @@ def cache_key() -> str:
     return f"{torch.backends.cpu.get_cpu_capability().lower()}-{kernels.isa()}-torch{torch.__version__}"
 
 
-def compile_steps(device="cpu"):
+def compile_steps(device="cpu", cpp_wrapper=False):
     """torch.compile what runs every step, like gpt-fast: the plain decode step and the EAGLE cycle (draft and
     verification in one graph: one compiled call, one guard check and one host sync per cycle). Static shapes; on
-    CUDA the graphs replay as CUDA graphs (mode="reduce-overhead"). Compiled code is cached on disk."""
+    CUDA the graphs replay as CUDA graphs (mode="reduce-overhead"). Compiled code is cached on disk.
+    cpp_wrapper (CPU): Inductor writes each graph's launcher in C++ instead of Python, which saves the ~2-4 ms of
+    Python a compiled call runs here (6-10% more tokens/s), for ~2x the cold compile time. It is a global Inductor
+    setting, read when a graph compiles (the first call): it stays on for the process."""
     global decode_one_token, decode_batch_step, eagle_cycle
+    if cpp_wrapper and torch.device(device).type == "cpu":
+        torch._inductor.config.cpp_wrapper = True
     # one cache per instruction set: a workspace that comes back on another kind of CPU (AVX2 after AVX-512) must
     # not reuse kernels compiled for the other one (a shared directory served an AVX-512 run's graph to AVX2 code)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor-cache" / cache_key()))
@@ -461,6 +466,9 @@ def build_parser():
                         "Default: on where a C++ compiler is found; the first run compiles for ~1-2 minutes, later "
                         "runs reuse the cache in $TORCHINDUCTOR_CACHE_DIR (default: .inductor-cache here)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
+    p.add_argument("--cpp_wrapper", action="store_true",
+                   help="CPU: compiled graphs launch their kernels from C++, not Python (6-10%% faster here, about "
+                        "twice the cold compile time)")
     p.add_argument("--draft", default=None,
                    help="EAGLE head directory (project or official layout), 'random' for an untrained head, or "
                         "'none' for plain decoding (default: the shipped head for the default model, if present)")
@@ -634,14 +642,16 @@ def main(argv=None):
         drafter = None
 
     steps = {name: globals()[name] for name in ("decode_one_token", "decode_batch_step", "eagle_cycle", "prefill")}
+    cpp_wrapper = torch._inductor.config.cpp_wrapper
     try:  # compiled for this run only: main() called in-process (tests) leaves the module as it found it
         if args.compile:
-            compile_steps(device)
+            compile_steps(device, cpp_wrapper=args.cpp_wrapper)
         if args.compile_prefill:
             globals()["prefill"] = torch.compile(prefill, fullgraph=True, dynamic=True)
         run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, rank)
     finally:
         globals().update(steps)
+        torch._inductor.config.cpp_wrapper = cpp_wrapper
 
 
 def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, rank):

@@ -77,6 +77,38 @@ def test_compiled_decode_step_matches_eager():
     assert compiled == eager
 
 
+@pytest.mark.compile
+@pytest.mark.slow
+def test_cpp_wrapper_steps_match_eager():
+    """--cpp_wrapper: the compiled decode step and EAGLE cycle launch their kernels (kernels.py's ops included, on
+    packed weights) from C++; tokens equal eager decoding's (float32)."""
+    import kernels
+    from eagle_head import random_head
+    from model import pack_weights
+    from torch._inductor.utils import run_and_get_code
+    model = make_tiny_model(dim=64, intermediate_size=192)
+    drafter = gen.Drafter(random_head(model), "dynamic", depth=3, top_k=2, total_tokens=4)
+    if kernels.load():
+        pack_weights(model)
+    prompt = torch.tensor([1, 2, 3, 4], dtype=torch.int)
+    model.setup_caches(1, 96)
+    eager, _ = generate(model, prompt, 32, temperature=0)
+    eager_spec, _ = generate(model, prompt, 32, temperature=0, draft=drafter)
+    original, setting = (gen.decode_one_token, gen.eagle_cycle), torch._inductor.config.cpp_wrapper
+    torch._dynamo.reset()  # graphs other tests compiled from the same functions would be reused
+    try:
+        gen.compile_steps("cpu", cpp_wrapper=True)
+        (plain, _), code = run_and_get_code(lambda: generate(model, prompt, 32, temperature=0))
+        assert plain == eager
+        assert generate(model, prompt, 32, temperature=0, draft=drafter)[0] == eager_spec == eager
+    finally:
+        gen.decode_one_token, gen.eagle_cycle = original
+        torch._inductor.config.cpp_wrapper = setting
+        torch._dynamo.reset()
+    launcher = "\n".join(code)
+    assert "aoti_torch" in launcher and ("eagle_fast::linear" in launcher or not kernels.load())
+
+
 # ---------------------------------------------------------------- the command line
 
 def run_main(argv, capsys):

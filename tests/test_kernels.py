@@ -1,7 +1,10 @@
 """kernels.py: the C++ small-M linear and attention against their pure-PyTorch references, row independence (each
 output row the same whatever the number of rows), the input gradient through a frozen packed weight, and that an
 inference call runs no Python."""
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,29 +37,33 @@ ACT_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch
 def test_linear_matches_reference_and_rows_are_independent(kind):
     packed, scales, offsets, dense = packed_weight(kind)
     bias = torch.randn(64)
-    x = torch.randn(17, 256).to(ACT_DTYPE[kind])
+    x = torch.randn(70, 256).to(ACT_DTYPE[kind])  # 70: past a 64-row panel
     y = kernels.linear(x, packed, bias, scales, offsets)
     ref = kernels.linear_reference(x, packed, bias, scales, offsets)
-    assert y.shape == (17, 64) and y.dtype == x.dtype
+    assert y.shape == (70, 64) and y.dtype == x.dtype
     # the reference is F.linear over the dense weight: a wrong block layout or nibble order is off by ~100%
     assert torch.allclose(ref.float(), (F.linear(x.float(), dense) + bias).to(x.dtype).float(), rtol=1e-2, atol=1e-2)
     tol = 1e-5 if kind == "float32" else 2e-2  # bf16 outputs (and BF16 dot products) round at ~3 digits
     assert (y.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
-    for M in (1, 2, 5, 9, 16):  # bit for bit the rows of a bigger call: what makes bf16 EAGLE exact
-        assert torch.equal(kernels.linear(x[:M], packed, bias, scales, offsets), y[:M])
+    # bit for bit the rows of a bigger call (int8/int4: in-register conversion up to 6 rows, a converted block
+    # buffer above): what makes bf16 EAGLE exact
+    for M in (1, 2, 5, 6, 7, 9, 16, 17, 33, 64):
+        assert torch.equal(kernels.linear(x[:M], packed, bias, scales, offsets), y[:M]), M
+        assert torch.equal(kernels.linear(x[M - 1:M + 3], packed, bias, scales, offsets), y[M - 1:M + 3]), M
 
 
 def test_attention_matches_reference_and_rows_are_independent():
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
-        q = torch.randn(1, 6, 5, 64, generator=g).to(dtype)
+        T = kernels.MAX_M
+        q = torch.randn(1, 6, T, 64, generator=g).to(dtype)
         k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(2))
-        mask = torch.rand(1, 5, 40, generator=g) < 0.7
+        mask = torch.rand(1, T, 40, generator=g) < 0.7
         mask[..., 0] = True
         y = kernels.attention(q, k, v, mask)
         ref = kernels.attention_reference(q, k, v, mask)
         assert (y.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
-        for t in range(5):
+        for t in (0, 1, 4, T - 1):
             assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1])
 
 
@@ -92,3 +99,24 @@ def test_an_inference_call_runs_no_python():
     python_frames = [c.co_name for c in calls if not c.co_filename.endswith("_ops.py")]  # the op's own __call__
     assert python_frames == [], python_frames
     assert len(calls) == 2
+
+
+RANK = {"fallback": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_each_lower_instruction_set_passes_the_same_checks(isa):
+    """EAGLE_KERNELS=avx2 / avx512 runs the lower builds on this CPU (most users' CPUs have AVX2 only)."""
+    if RANK[kernels.isa()] <= RANK[isa]:
+        pytest.skip(f"this machine runs {kernels.isa()}: the default run covers it")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "matches or forced"], env={**os.environ, "EAGLE_KERNELS": isa},
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_a_forced_instruction_set_is_the_one_that_runs():
+    forced = os.environ.get("EAGLE_KERNELS")
+    if forced not in RANK:
+        pytest.skip("EAGLE_KERNELS not set")
+    assert kernels.isa() == forced
