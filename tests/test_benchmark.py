@@ -35,7 +35,7 @@ def test_summary_flags_eagle_outputs_that_differ_from_plain():
     per_prompt = {"plain@float32": [{"id": 1, "token_ids": [5, 6, 7, 8], "seconds": 2.0}],
                   "eagle-chain@float32": [{"id": 1, "token_ids": [5, 6, 9, 8], "seconds": 1.0, **eagle}],
                   "hf@float32": [{"id": 1, "token_ids": [5, 6, 7, 8], "seconds": 4.0}]}
-    args = argparse.Namespace(dtype="float32", no_compile=True, prompts="p.jsonl", max_new_tokens=4, device="cpu")
+    args = argparse.Namespace(dtype="float32", no_compile=True, cpp_wrapper=False, prompts="p.jsonl", max_new_tokens=4, device="cpu")
     memory = {m: {"weights_bytes": 1} for m in methods}
     r = summarize(methods, per_prompt, {m: 0.0 for m in methods}, memory, args, 1)
     assert r["mismatches"] == [{"method": "eagle-chain@float32", "prompt": 1, "first_difference": 2}]
