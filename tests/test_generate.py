@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -107,6 +108,23 @@ def test_cpp_wrapper_steps_match_eager():
         torch._dynamo.reset()
     launcher = "\n".join(code)
     assert "aoti_torch" in launcher and ("eagle_fast::linear" in launcher or not kernels.load())
+
+
+def test_compiled_code_is_cached_per_instruction_set(monkeypatch):
+    """Kernels compiled on an AVX-512 machine must not serve an AVX2 one (a shared cache once handed a kernel built
+    for the other, which read out of bounds). Inductor puts its own default into the environment on first use,
+    usually before compile_steps runs; that default must not win over the per-ISA directory."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    for name in ("decode_one_token", "decode_batch_step", "eagle_cycle"):
+        monkeypatch.setattr(gen, name, getattr(gen, name))  # compile_steps rebinds them; restored after the test
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()  # what any Inductor use does first: sets TORCHINDUCTOR_CACHE_DIR to /tmp/torchinductor_$USER
+    gen.compile_steps()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(gen.ROOT / ".inductor-cache" / gen.cache_key())
+    assert cache_dir() == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/my-own-cache")  # a user's own choice stays
+    gen.compile_steps()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/my-own-cache"
 
 
 # ---------------------------------------------------------------- the command line
