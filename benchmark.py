@@ -210,7 +210,8 @@ def first_difference(a, b):
 def summarize(methods, per_prompt, warmup, memory, args, n_prompts):
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "threads": torch.get_num_threads()},
-               "torch": torch.__version__, "dtype": args.dtype, "compiled": not args.no_compile, "cpp_wrapper": args.cpp_wrapper,
+               "torch": torch.__version__, "dtype": args.dtype, "compiled": not args.no_compile,
+               "cpp_wrapper": args.cpp_wrapper,
                "prompts": str(args.prompts), "n_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
                "peak_memory_bytes_process": peak_memory_bytes(args.device), "methods": {}, "mismatches": []}
     for spec, runs in per_prompt.items():
