@@ -728,7 +728,7 @@ class _FrozenPackedLinear(torch.autograd.Function):
     """The input's gradient through a frozen packed weight (a head's loss through the target's packed LM head).
     Only calls that need a gradient come here. An autograd formula registered on the op itself would be a Python
     kernel that every inference call passes through, no_grad or not: a few Python frames a call, and where the stack
-    then ended at a 16 KB chunk boundary CPython 3.11 mapped and unmapped a page for each of the 151 linears of a
+    then ended at a 16 KB chunk boundary CPython 3.11 mapped and unmapped a chunk for each of the 151 linears of a
     decode step, which made that step 40-60% slower (docs/performance.md)."""
 
     @staticmethod
