@@ -26,6 +26,7 @@ import kernels
 from model import (Attention, FeedForward, KVCache, Linear, ModelArgs, RMSNorm, TransformerBlock, aligned,
                    args_from_hf_config, linear, pack_weights, permute_rotate_half, precompute_freqs_cis)
 from quantize import HEAD_CONFIG, HEAD_FILE, prepare, swap_modules  # noqa: F401 (the project layout's names)
+from quantize import Int4Linear, Int8Linear, quantize_int8
 
 
 # EAGLE-1's default tree for 7B models: each path lists child ranks (0 = the draft's top-1) from the root.
@@ -51,7 +52,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long) if draft_vocab_size else None)
         self.max_seq_length = -1
         self._target = None  # (embedding, lm_head) of the target, held outside the module tree
-        self._draft_weight = None
+        self._draft_weight = self._draft_scales = None
 
     def attach(self, target):
         """Share the target's embedding and LM head (frozen): the head never stores its own copies. A target packed
@@ -78,7 +79,12 @@ class EagleHead(nn.Module):
         Map indices back to target ids with to_target()."""
         if self.draft_vocab is None:
             return self.lm_head(hidden)
-        return linear(hidden.to(self._draft_weight.dtype), self._draft_weight)
+        weight, scales = self._draft_weight, self._draft_scales
+        if scales is None:
+            return linear(hidden.to(weight.dtype), weight)
+        if weight.dim() == 4:
+            return kernels.linear(hidden, weight, scales=scales)
+        return F.linear(hidden, weight.to(hidden.dtype)) * scales.to(hidden.dtype)
 
     def to_target(self, draft_ids):
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
@@ -90,18 +96,26 @@ class EagleHead(nn.Module):
         self._slice_draft_weight()
 
     def _slice_draft_weight(self):
-        # the LM head rows of the draft vocabulary, cut once here rather than inside the compiled draft step
-        self._draft_weight = None
-        if self.draft_vocab is not None and self._target is not None:
-            lm_head = self._target[1]
-            weight = lm_head.weight.detach()
-            rows = kernels.packed_rows(weight, self.draft_vocab) if weight.dim() == 4 else weight[self.draft_vocab]
-            if not rows.is_floating_point():  # an int8 LM head (quantize.py --quantize_head): per-row scales
-                dtype = self.layer.ffn_norm.weight.dtype  # the activations'
-                rows = rows.to(dtype) * lm_head.scales[self.draft_vocab, None].to(dtype)
-            if weight.dim() == 4 and kernels.can_pack(rows):
-                rows = kernels.pack(rows)
-            self._draft_weight = rows
+        # The LM head rows of the draft vocabulary, cut once here rather than inside the compiled draft step. A
+        # quantized head (quantize.py --draft) keeps them in int8 with a scale per row, as an int8 LM head holds
+        # them: a draft step then reads half the bytes (the rows are 9.4 MB in bf16 for SmolLM2, read at every
+        # depth). Drafts only propose, so this changes what is proposed, never what is output.
+        self._draft_weight = self._draft_scales = None
+        if self.draft_vocab is None or self._target is None:
+            return
+        lm_head = self._target[1]
+        weight = lm_head.weight.detach()
+        rows = kernels.packed_rows(weight, self.draft_vocab) if weight.dim() == 4 else weight[self.draft_vocab]
+        scales = None if rows.is_floating_point() else lm_head.scales[self.draft_vocab].float()
+        if isinstance(self.fc, (Int8Linear, Int4Linear)):
+            if scales is None:
+                rows, scales = quantize_int8(rows)
+        elif scales is not None:  # an int8 LM head (quantize.py --quantize_head) with a float head: dequantize
+            dtype = self.layer.ffn_norm.weight.dtype  # the activations'
+            rows, scales = rows.to(dtype) * scales[:, None].to(dtype), None
+        if weight.dim() == 4 and kernels.can_pack(rows):
+            rows = kernels.pack(rows)
+        self._draft_weight, self._draft_scales = rows, scales
 
     def setup_caches(self, max_seq_length: int):
         if self.max_seq_length == max_seq_length:
@@ -456,7 +470,8 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
         raise ValueError(f"draft head {path}: d2t maps draft ids below 0")
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
     # load_state_dict copies into the module's own (fp32) tensors: cast afterwards to the requested dtype
-    head = (head.to(device) if quantized else head.to(device=device, dtype=dtype)).eval()
+    head = head.to(device=device, dtype=dtype).eval()  # a quantized head's float tensors too (norms, scales), as
+    # load_quantized does for a model: the KV cache and activations follow them
     if quantized:  # on its device first: int4 packs for that device's kernel
         prepare(head, dtype)
     return head.attach(target)

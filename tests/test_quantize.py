@@ -12,7 +12,7 @@ import generate as gen
 import kernels
 import quantize as Q
 from conftest import make_tiny_model
-from model import Embedding, Linear
+from model import Embedding, Linear, pack_weights
 from eagle_head import load_head, random_head, save_head, target_info
 from generate import Drafter, generate, load_model
 
@@ -267,10 +267,12 @@ def test_int4_kernel_that_disagrees_is_not_used(monkeypatch):
         assert "disagrees with dequantization" in layer.prepare(torch.bfloat16) and layer.layout == "dequant"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
-def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize):
+def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize, dtype):
     target = make_tiny_model()
     head = random_head(target, seed=3)
+    head.set_draft_vocab(list(range(0, 96, 2)))  # a reduced draft vocabulary: its LM-head rows go int8 too
     save_head(head, tmp_path / "head", target_info(target))
     Q.main(["--draft", str(tmp_path / "head"), "--mode", mode] + (["--groupsize", "32"] if groupsize else []))
     name = Q.quant_name(mode, groupsize)
@@ -280,14 +282,23 @@ def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize):
     assert type(loaded.fc) is (Q.Int8Linear if mode == "int8" else Q.Int4Linear) and loaded.fc.bias is not None
     assert type(load_head(tmp_path / "head", target, quantization=name).layer.feed_forward.w2) is type(loaded.fc)
     assert type(load_head(tmp_path / "head", target).fc) is Linear  # the float head is still the default
-    # the quantized head drafts close to the float one and decoding with it stays exact
+    assert loaded._draft_weight.dtype == torch.int8 and head._draft_weight.is_floating_point()
+    # the quantized head drafts close to the float one
     x, f = torch.tensor([[5, 6, 7]]), torch.randn(1, 3, 64)
     for h in (head, loaded):
         h.setup_caches(32)
     mask = torch.ones(3, 32, dtype=torch.bool).tril()
     with torch.no_grad():
         ref, out = head(x, f, torch.arange(3), mask), loaded(x, f, torch.arange(3), mask)
-    assert ((out - ref).norm() / ref.norm()) < (0.02 if mode == "int8" else 0.2)
+        ref_logits, logits = head.draft_logits(ref), loaded.draft_logits(out)
+    tol = 0.02 if mode == "int8" else 0.2
+    assert ((out - ref).norm() / ref.norm()) < tol and ((logits - ref_logits).norm() / ref_logits.norm()) < 2 * tol
+    # and decoding with it stays exact, also on a bf16 target packed for the kernels, whose activations it takes
+    target = target.to(dtype)
+    if dtype == torch.bfloat16:
+        pack_weights(target)
+    loaded = load_head(tmp_path / "head" / entry["file"], target, dtype=dtype)
+    assert loaded.layer.ffn_norm.weight.dtype == dtype
     drafter = Drafter(loaded, "dynamic", depth=4, top_k=3, total_tokens=10)
     assert greedy(target, [1, 2, 3], 60, 160, draft=drafter) == greedy(target, [1, 2, 3], 60, 160)
 
