@@ -542,23 +542,54 @@ inline __m512 vload512(const E* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// one query row against the cache slots it sees (in slot order): scores, softmax in fp32, weighted sum of V
+// four vectors summed lane-wise into four floats, each by the same tree of shuffles
+inline __m128 sum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
+}
+
+// One query row against the cache slots it sees, in slot order: scores, softmax in fp32, weighted sum of V. Every
+// step goes by a slot's rank among the visible ones, never by its index, so a tree row that sees slots 0..L-1, L+2
+// and L+5 computes exactly what the decode step computes once those two moved to L and L+1. Scores go four slots
+// at a time (one tree of shuffles sums four dot products; one horizontal sum each was most of the time), and V is
+// summed in two accumulators a column chunk (even and odd ranks): a single chain of dependent multiply-adds per
+// chunk waited on their latency. Tries: docs/performance.md.
 template <typename E>
 void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
                    float* scores, int64_t* slots, float* out) {
   int64_t n = 0;
-  for (int64_t s = 0; s < S; s++) {
-    if (!mask[s]) continue;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), vload512(k + s * D + d), acc);
-    scores[n] = _mm512_reduce_add_ps(acc) * scale;
-    slots[n++] = s;
+  for (int64_t s = 0; s < S; s++)
+    if (mask[s]) slots[n++] = s;
+  for (int64_t i = 0; i < n; i += 4) {  // scores has room for n + 3
+    __m512 acc[4];
+    for (int j = 0; j < 4; j++) {
+      acc[j] = _mm512_setzero_ps();
+      if (i + j < n) {
+        const E* kr = k + slots[i + j] * D;
+        for (int64_t d = 0; d < D; d += 16) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), vload512(kr + d), acc[j]);
+      }
+    }
+    _mm_storeu_ps(scores + i, _mm_mul_ps(sum4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
   }
   const float inv = n ? 1.0f / softmax_numerators512(scores, n) : 0.0f;
-  for (int64_t d = 0; d < D; d += 16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i++) acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[i]), vload512(v + slots[i] * D + d), acc);
-    _mm512_storeu_ps(out + d, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 column chunks of 16 at a time
+    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
+    __m512 acc[2][4];
+    for (int h = 0; h < 2; h++)
+      for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+      const int h = (int)(i & 1);
+      const __m512 p = _mm512_set1_ps(scores[i]);
+      const E* vr = v + slots[i] * D + d0;
+      for (int j = 0; j < 4; j++)
+        if (j < chunks) acc[h][j] = _mm512_fmadd_ps(p, vload512(vr + 16 * j), acc[h][j]);
+    }
+    for (int j = 0; j < chunks; j++)
+      _mm512_storeu_ps(out + d0 + 16 * j, _mm512_mul_ps(_mm512_add_ps(acc[0][j], acc[1][j]), _mm512_set1_ps(inv)));
   }
 }
 #pragma GCC pop_options
@@ -573,20 +604,33 @@ inline __m256 vload256(const E* p) {
 
 template <typename E>
 void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
-                   float* scores, int64_t* slots, float* out) {
+                   float* scores, int64_t* slots, float* out) {  // as attend_row512, 8 columns a vector
   int64_t n = 0;
-  for (int64_t s = 0; s < S; s++) {
-    if (!mask[s]) continue;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), vload256(k + s * D + d), acc);
-    scores[n] = reduce1_256(acc) * scale;
-    slots[n++] = s;
+  for (int64_t s = 0; s < S; s++)
+    if (mask[s]) slots[n++] = s;
+  for (int64_t i = 0; i < n; i += 4) {
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++) {
+      acc[j] = _mm256_setzero_ps();
+      if (i + j < n) {
+        const E* kr = k + slots[i + j] * D;
+        for (int64_t d = 0; d < D; d += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), vload256(kr + d), acc[j]);
+      }
+    }
+    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_256(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
   }
   const float inv = n ? 1.0f / softmax_numerators256(scores, n) : 0.0f;
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[i]), vload256(v + slots[i] * D + d), acc);
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 column chunks of 8 at a time (16 registers: one accumulator each)
+    const int64_t chunks = std::min<int64_t>(8, (D - d0) / 8);
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+      const __m256 p = _mm256_set1_ps(scores[i]);
+      const E* vr = v + slots[i] * D + d0;
+      for (int j = 0; j < 8; j++)
+        if (j < chunks) acc[j] = _mm256_fmadd_ps(p, vload256(vr + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < chunks; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
   }
 }
 #pragma GCC pop_options
@@ -603,7 +647,7 @@ void attention_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor&
   const bool* mp = mask.data_ptr<bool>();
   float* o = outf.data_ptr<float>();
   at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(S);
+    std::vector<float> scores(S + 4);  // scores are written four at a time
     std::vector<int64_t> slots(S);
     for (int64_t r = r0; r < r1; r++) {  // r = (b * H + h) * T + t
       const int64_t t = r % T, h = (r / T) % H, b = r / (T * H);

@@ -67,6 +67,28 @@ def test_attention_matches_reference_and_rows_are_independent():
             assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1])
 
 
+def test_a_tree_row_equals_the_decode_row_over_the_compacted_cache():
+    """What keeps EAGLE exact: a verified node sees the prefix and its ancestors at scattered slots; once accepted,
+    their K/V move to contiguous slots and the next decode step's row sees them there. Both rows must agree bit for
+    bit, so the kernel may go by a slot's rank among the visible ones, never by its index."""
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        S, L = 64, 37
+        q = torch.randn(1, 6, 1, 64, generator=g).to(dtype)
+        k, v = (torch.randn(1, 2, S, 64, generator=g).to(dtype) for _ in range(2))
+        seen = list(range(L)) + [L + 1, L + 4, L + 5]  # the prefix, then three ancestors scattered in the tree
+        mask = torch.zeros(1, 1, S, dtype=torch.bool)
+        mask[..., seen] = True
+        compact_k, compact_v = torch.zeros_like(k), torch.zeros_like(v)
+        compact_k[:, :, :len(seen)], compact_v[:, :, :len(seen)] = k[:, :, seen], v[:, :, seen]
+        compact_mask = torch.zeros_like(mask)
+        compact_mask[..., :len(seen)] = True
+        tree_row = kernels.attention(q, k, v, mask)
+        assert torch.equal(tree_row, kernels.attention(q, compact_k, compact_v, compact_mask))
+        ref = kernels.attention_reference(q, k, v, mask)
+        assert (tree_row.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.parametrize("kind", ["float32", "int4"])
 def test_input_gradient_through_a_frozen_packed_weight(kind):
     packed, scales, offsets, dense = packed_weight(kind)
