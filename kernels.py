@@ -552,6 +552,27 @@ inline __m128 sum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
 }
 
+// the rest of a row once its n scores are in: softmax in fp32, then the weighted sum of the slots' V rows
+template <typename E>
+void softmax_and_v512(const E* v, int64_t D, float* scores, const int64_t* slots, int64_t n, float* out) {
+  const float inv = n ? 1.0f / softmax_numerators512(scores, n) : 0.0f;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 column chunks of 16 at a time
+    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
+    __m512 acc[2][4];
+    for (int h = 0; h < 2; h++)
+      for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+      const int h = (int)(i & 1);
+      const __m512 p = _mm512_set1_ps(scores[i]);
+      const E* vr = v + slots[i] * D + d0;
+      for (int j = 0; j < 4; j++)
+        if (j < chunks) acc[h][j] = _mm512_fmadd_ps(p, vload512(vr + 16 * j), acc[h][j]);
+    }
+    for (int j = 0; j < chunks; j++)
+      _mm512_storeu_ps(out + d0 + 16 * j, _mm512_mul_ps(_mm512_add_ps(acc[0][j], acc[1][j]), _mm512_set1_ps(inv)));
+  }
+}
+
 // One query row against the cache slots it sees, in slot order: scores, softmax in fp32, weighted sum of V. Every
 // step goes by a slot's rank among the visible ones, never by its index, so a tree row that sees slots 0..L-1, L+2
 // and L+5 computes exactly what the decode step computes once those two moved to L and L+1. Scores go four slots
@@ -575,22 +596,33 @@ void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int
     }
     _mm_storeu_ps(scores + i, _mm_mul_ps(sum4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
   }
-  const float inv = n ? 1.0f / softmax_numerators512(scores, n) : 0.0f;
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 column chunks of 16 at a time
-    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
-    __m512 acc[2][4];
-    for (int h = 0; h < 2; h++)
-      for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i++) {
-      const int h = (int)(i & 1);
-      const __m512 p = _mm512_set1_ps(scores[i]);
-      const E* vr = v + slots[i] * D + d0;
-      for (int j = 0; j < 4; j++)
-        if (j < chunks) acc[h][j] = _mm512_fmadd_ps(p, vload512(vr + 16 * j), acc[h][j]);
+  softmax_and_v512(v, D, scores, slots, n, out);
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+// bf16 K on a CPU with BF16 dot products: each score by dot products of bf16 pairs summed in fp32, one instruction a
+// 32 columns where attend_row512 converts and multiply-adds twice (q comes in bf16, so nothing new is rounded);
+// the same for every row whatever T is, as there
+void attend_row512bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const bool* mask, int64_t S, int64_t D,
+                       float scale, float* scores, int64_t* slots, float* out) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; s++)
+    if (mask[s]) slots[n++] = s;
+  for (int64_t i = 0; i < n; i += 4) {
+    __m512 acc[4];
+    for (int j = 0; j < 4; j++) {
+      acc[j] = _mm512_setzero_ps();
+      if (i + j < n) {
+        const uint16_t* kr = k + slots[i + j] * D;
+        for (int64_t d = 0; d < D; d += 32)
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(kr + d));
+      }
     }
-    for (int j = 0; j < chunks; j++)
-      _mm512_storeu_ps(out + d0 + 16 * j, _mm512_mul_ps(_mm512_add_ps(acc[0][j], acc[1][j]), _mm512_set1_ps(inv)));
+    _mm_storeu_ps(scores + i, _mm_mul_ps(sum4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
   }
+  softmax_and_v512(v, D, scores, slots, n, out);
 }
 #pragma GCC pop_options
 
@@ -636,8 +668,8 @@ void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int
 #pragma GCC pop_options
 
 template <typename E>
-void attention_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                    at::Tensor& outf, int level) {
+void attention_impl(const at::Tensor& qf, const uint16_t* qb, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& mask, at::Tensor& outf, int level) {  // qb: q in bf16 for BF16 dot products, or null
   const int64_t B = qf.size(0), H = qf.size(1), T = qf.size(2), D = qf.size(3), n_kv = k.size(1), S = k.size(2);
   const int64_t group = H / n_kv, mask_batch = mask.size(0);
   const float scale = 1.0f / std::sqrt((float)D);
@@ -653,7 +685,10 @@ void attention_impl(const at::Tensor& qf, const at::Tensor& k, const at::Tensor&
       const int64_t t = r % T, h = (r / T) % H, b = r / (T * H);
       const int64_t kv = (b * n_kv + h / group) * S * D;
       const bool* row_mask = mp + ((mask_batch > 1 ? b : 0) * T + t) * S;
-      if (level >= AVX512)
+      if (qb)
+        attend_row512bf16(qb + r * D, (const uint16_t*)kp + kv, (const uint16_t*)vp + kv, row_mask, S, D, scale,
+                          scores.data(), slots.data(), o + r * D);
+      else if (level >= AVX512)
         attend_row512<E>(q + r * D, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), o + r * D);
       else
         attend_row256<E>(q + r * D, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), o + r * D);
@@ -676,8 +711,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
   at::Tensor outf = at::empty(qf.sizes(), qf.options());
-  if (q.scalar_type() == at::kFloat) attention_impl<float>(qf, kc, vc, mc, outf, level);
-  else attention_impl<uint16_t>(qf, kc, vc, mc, outf, level);
+  if (q.scalar_type() == at::kFloat) {
+    attention_impl<float>(qf, nullptr, kc, vc, mc, outf, level);
+  } else {
+    at::Tensor qb = q.contiguous();
+    const bool dot = level == AVX512BF16 && q.size(3) % 32 == 0;
+    attention_impl<uint16_t>(qf, dot ? (const uint16_t*)qb.data_ptr() : nullptr, kc, vc, mc, outf, level);
+  }
   return outf.to(q.scalar_type());
 }
 
