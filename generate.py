@@ -118,13 +118,17 @@ def compile_steps(device="cpu", cpp_wrapper=False):
     global decode_one_token, decode_batch_step, eagle_cycle
     if cpp_wrapper and torch.device(device).type == "cpu":
         torch._inductor.config.cpp_wrapper = True
-    # one cache per instruction set: a workspace that comes back on another kind of CPU (AVX2 after AVX-512) must
-    # not reuse kernels compiled for the other one (a shared directory served an AVX-512 run's graph to AVX2 code)
-    # (Inductor writes its own default, /tmp/torchinductor_$USER, into the environment the first time anything asks
-    # for its cache directory, often before this runs: that default counts as unset)
+    # one cache per instruction set, under the user's cache directory or .inductor-cache/: a workspace that comes
+    # back on another kind of CPU (AVX2 after AVX-512) must not reuse kernels compiled for the other one (a shared
+    # directory served an AVX-512 run's graph to AVX2 code: "index out of bounds"). Inductor writes its own default,
+    # /tmp/torchinductor_$USER, into the environment the first time anything asks for its cache directory, often
+    # before this runs: that default counts as unset.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(ROOT / ".inductor-cache" / cache_key())
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if root in (None, os.path.abspath(default_cache_dir())):
+        root = str(ROOT / ".inductor-cache")
+    if os.path.basename(os.path.normpath(root)) != cache_key():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, cache_key())
     # Round bf16 values where eager rounds them. Without this Inductor keeps fused intermediates in fp32 and fuses
     # differently for 1 token and for a tree, and bf16 EAGLE parts from plain decoding within a few dozen tokens.
     torch._inductor.config.emulate_precision_casts = True

@@ -122,9 +122,11 @@ def test_compiled_code_is_cached_per_instruction_set(monkeypatch):
     gen.compile_steps()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(gen.ROOT / ".inductor-cache" / gen.cache_key())
     assert cache_dir() == os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/my-own-cache")  # a user's own choice stays
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/my-own-cache")  # a user's own root, still one dir per ISA
     gen.compile_steps()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/my-own-cache"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join("/tmp/my-own-cache", gen.cache_key())
+    gen.compile_steps()  # twice: not nested twice
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join("/tmp/my-own-cache", gen.cache_key())
 
 
 # ---------------------------------------------------------------- the command line
