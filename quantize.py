@@ -443,8 +443,10 @@ def _write_atomic(path, write):
     os.close(fd)
     try:
         write(tmp)
-        if os.path.exists(path):  # a rewritten config.json keeps its permissions (mkstemp's are 0600)
-            os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        # a rewritten config.json keeps its permissions; a new file gets the usual ones (mkstemp's are 0600)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -1,5 +1,6 @@
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -278,6 +279,9 @@ def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize, dtype):
     name = Q.quant_name(mode, groupsize)
     entry = json.loads((tmp_path / "head" / "head_config.json").read_text())["quantized"][name]
     assert entry == {"mode": mode, "groupsize": groupsize, "file": f"head_{name}.safetensors"}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "head" / entry["file"]).stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
     loaded = load_head(tmp_path / "head" / entry["file"], target)
     assert type(loaded.fc) is (Q.Int8Linear if mode == "int8" else Q.Int4Linear) and loaded.fc.bias is not None
     assert type(load_head(tmp_path / "head", target, quantization=name).layer.feed_forward.w2) is type(loaded.fc)
