@@ -151,6 +151,20 @@ void run_linear(const Lin& a, int max_mb) {
 }
 
 // ------------------------------------------------------------------------------------------------ AVX-512
+// four vectors summed lane-wise into four floats, each by the same tree of shuffles (the linears' four columns,
+// attention's four slots); plain AVX-512, so both the BF16 and the plain AVX-512 code inline it
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
+}
+#pragma GCC pop_options
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
@@ -175,16 +189,6 @@ inline void wload512(const Lin& a, int64_t n, int64_t kb, __m512& lo, __m512& hi
     lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), s, o);
     hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, o);
   }
-}
-
-// four vectors summed lane-wise into four floats, in a fixed tree
-inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0x4E));
-  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0xB1));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
 }
 
 // How a 32-column step multiplies: fp32 multiply-adds (F32) or BF16 dot products, pairs summed in fp32 (BF16: bf16
@@ -534,22 +538,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 // ------------------------------------------------------------------------------------------------ attention
 
+// the cache slots a query row sees, in slot order: every step after this goes by a slot's rank in this list
+inline int64_t visible_slots(const bool* mask, int64_t S, int64_t* slots) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; s++)
+    if (mask[s]) slots[n++] = s;
+  return n;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 template <typename E>
 inline __m512 vload512(const E* p) {
   if (sizeof(E) == 4) return _mm512_loadu_ps((const float*)p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// four vectors summed lane-wise into four floats, each by the same tree of shuffles
-inline __m128 sum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0x4E));
-  s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0xB1));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
 }
 
 // the rest of a row once its n scores are in: softmax in fp32, then the weighted sum of the slots' V rows
@@ -582,9 +584,7 @@ void softmax_and_v512(const E* v, int64_t D, float* scores, const int64_t* slots
 template <typename E>
 void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
                    float* scores, int64_t* slots, float* out) {
-  int64_t n = 0;
-  for (int64_t s = 0; s < S; s++)
-    if (mask[s]) slots[n++] = s;
+  const int64_t n = visible_slots(mask, S, slots);
   for (int64_t i = 0; i < n; i += 4) {  // scores has room for n + 3
     __m512 acc[4];
     for (int j = 0; j < 4; j++) {
@@ -594,7 +594,7 @@ void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int
         for (int64_t d = 0; d < D; d += 16) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), vload512(kr + d), acc[j]);
       }
     }
-    _mm_storeu_ps(scores + i, _mm_mul_ps(sum4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
   }
   softmax_and_v512(v, D, scores, slots, n, out);
 }
@@ -607,9 +607,7 @@ void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int
 // the same for every row whatever T is, as there
 void attend_row512bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const bool* mask, int64_t S, int64_t D,
                        float scale, float* scores, int64_t* slots, float* out) {
-  int64_t n = 0;
-  for (int64_t s = 0; s < S; s++)
-    if (mask[s]) slots[n++] = s;
+  const int64_t n = visible_slots(mask, S, slots);
   for (int64_t i = 0; i < n; i += 4) {
     __m512 acc[4];
     for (int j = 0; j < 4; j++) {
@@ -620,7 +618,7 @@ void attend_row512bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
           acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(kr + d));
       }
     }
-    _mm_storeu_ps(scores + i, _mm_mul_ps(sum4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
   }
   softmax_and_v512(v, D, scores, slots, n, out);
 }
@@ -637,9 +635,7 @@ inline __m256 vload256(const E* p) {
 template <typename E>
 void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
                    float* scores, int64_t* slots, float* out) {  // as attend_row512, 8 columns a vector
-  int64_t n = 0;
-  for (int64_t s = 0; s < S; s++)
-    if (mask[s]) slots[n++] = s;
+  const int64_t n = visible_slots(mask, S, slots);
   for (int64_t i = 0; i < n; i += 4) {
     __m256 acc[4];
     for (int j = 0; j < 4; j++) {
@@ -668,12 +664,11 @@ void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int
 #pragma GCC pop_options
 
 template <typename E>
-void attention_impl(const at::Tensor& qf, const uint16_t* qb, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& mask, at::Tensor& outf, int level) {  // qb: q in bf16 for BF16 dot products, or null
-  const int64_t B = qf.size(0), H = qf.size(1), T = qf.size(2), D = qf.size(3), n_kv = k.size(1), S = k.size(2);
+void attention_impl(const float* q, const uint16_t* qb, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& mask, at::Tensor& outf, int level) {  // q in fp32, or qb in bf16 (BF16 dot products)
+  const int64_t B = outf.size(0), H = outf.size(1), T = outf.size(2), D = outf.size(3), n_kv = k.size(1), S = k.size(2);
   const int64_t group = H / n_kv, mask_batch = mask.size(0);
   const float scale = 1.0f / std::sqrt((float)D);
-  const float* q = qf.data_ptr<float>();
   const E* kp = (const E*)k.data_ptr();
   const E* vp = (const E*)v.data_ptr();
   const bool* mp = mask.data_ptr<bool>();
@@ -708,16 +703,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               q.size(3) % 16 == 0, "eagle_fast::attention: shapes do not match");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::attention: this CPU has no AVX2");
-  at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
-  at::Tensor outf = at::empty(qf.sizes(), qf.options());
-  if (q.scalar_type() == at::kFloat) {
-    attention_impl<float>(qf, nullptr, kc, vc, mc, outf, level);
-  } else {
-    at::Tensor qb = q.contiguous();
-    const bool dot = level == AVX512BF16 && q.size(3) % 32 == 0;
-    attention_impl<uint16_t>(qf, dot ? (const uint16_t*)qb.data_ptr() : nullptr, kc, vc, mc, outf, level);
-  }
+  at::Tensor outf = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const bool dot = q.scalar_type() == at::kBFloat16 && level == AVX512BF16 && q.size(3) % 32 == 0;
+  at::Tensor qc = dot ? q.contiguous() : q.to(at::kFloat).contiguous();
+  const float* qf = dot ? nullptr : qc.data_ptr<float>();
+  const uint16_t* qb = dot ? (const uint16_t*)qc.data_ptr() : nullptr;
+  if (q.scalar_type() == at::kFloat) attention_impl<float>(qf, qb, kc, vc, mc, outf, level);
+  else attention_impl<uint16_t>(qf, qb, kc, vc, mc, outf, level);
   return outf.to(q.scalar_type());
 }
 

@@ -398,7 +398,8 @@ def multi_step_accuracy(head, seqs, steps=4, starts_per_seq=16, seed=0):
         B = len(starts)
         feats = feat[:-1].float()[None].repeat(B, 1, 1)  # (B, T-1, dim): input f_t for pair t
         tokens = tok[1:][None].expand(B, -1)
-        target_top1 = head.lm_head(feat.float().to(head.layer.ffn_norm.weight.dtype)).argmax(-1)  # (T,) target's next-token choice
+        act_dtype = head.layer.ffn_norm.weight.dtype  # the activations' (a quantized head's fc weight is int8)
+        target_top1 = head.lm_head(feat.float().to(act_dtype)).argmax(-1)  # (T,) target's next-token choice
         draft_top1 = lambda h: head.to_target(head.draft_logits(h).argmax(-1))  # noqa: E731 (a draft proposes these)
         rows = torch.arange(B)
         for k in range(steps + 1):
