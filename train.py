@@ -288,10 +288,8 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
     model.setup_caches(args.regen_batch, args.max_len + args.regen_tokens + 8)
     bar = tqdm(desc="replies", unit="reply", leave=False)
     while turn:
-        prompts, asked = [], []
+        pending = []  # (prompt ids, conversation) for every conversation with a turn left to answer
         for i in list(turn):
-            if len(asked) == args.regen_batch:
-                break
             messages = examples[i][1]
             # copy up to the next assistant turn; an assistant turn before any user turn (ShareGPT's split
             # conversations can start with one) would be a reply to nothing: it is dropped, not answered
@@ -305,10 +303,13 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
             if turn[i] >= len(messages) or len(ids) >= args.max_len or 0 < args.regen_turns <= answered:
                 del turn[i]  # finished, long enough already, or answered as often as asked
                 continue
-            prompts.append(ids)
-            asked.append(i)
-        if not prompts:
+            pending.append((ids, i))
+        if not pending:
             break
+        # the shortest prompts first: a batch is prefilled padded to its longest prompt, so batching prompts of
+        # like lengths cut the prefill (most of the time here) ~2x; a row's reply does not depend on its batch
+        pending.sort(key=lambda p: len(p[0]))
+        prompts, asked = [ids for ids, _ in pending[:args.regen_batch]], [i for _, i in pending[:args.regen_batch]]
         # a full batch every time (copies of the first prompt, dropped after), so a compiled step compiles once
         padded = prompts + [prompts[0]] * (args.regen_batch - len(prompts))
         replies = generate_batch(model, padded, args.regen_tokens, stop, **sampling)[:len(prompts)]

@@ -546,6 +546,25 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
     assert first[0][1] == out[0][1][:2] and first[1] == out[1] and first[3] == out[3] and first[4] == out[4]
 
 
+def test_regenerate_batches_prompts_of_like_length(real_model, real_tokenizer, monkeypatch):
+    """A batch is prefilled padded to its longest prompt: each round takes the shortest prompts left."""
+    import argparse
+    calls = []
+
+    def fake_generate_batch(model, prompts, max_new_tokens, stop_ids=(), **sampling):
+        calls.append([len(p) for p in prompts])
+        return [[1] for _ in prompts]
+    monkeypatch.setattr(train, "generate_batch", fake_generate_batch)
+    words = [12, 1, 30, 5, 20, 3]  # prompt lengths out of order
+    examples = [(f"e{i}", [{"role": "user", "content": "word " * n}, {"role": "assistant", "content": "x"}])
+                for i, n in enumerate(words)]
+    args = argparse.Namespace(regen_batch=2, regen_tokens=4, regen_temperature=0.0, max_len=256, regen_turns=1)
+    out = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, real_model.checkpoint_config, args)
+    assert [i for i, _ in out] == [i for i, _ in examples]  # the conversations keep their order
+    lengths = [n for call in calls for n in call]
+    assert len(calls) == 3 and lengths == sorted(lengths)
+
+
 def test_extract_regenerate_end_to_end(tmp_path, default_checkpoint):
     """extract --regenerate --fused on the real target: replies regenerated (written as JSONL), then features and
     fused features of the regenerated conversations in resumable shards."""
