@@ -368,20 +368,28 @@ def head_forward(module, tokens, features):
     return module(tokens, features, pos, pos[:, None] >= pos[None, :])
 
 
-def eagle_loss(module, head, tokens, inputs, targets, mask, noise=0.1, ce_weight=0.1):
-    """-> (loss, masked token count, top-1 agreement count)."""
+def eagle_loss(module, head, tokens, inputs, targets, mask, noise=0.1, ce_weight=0.1, step_weight=0.8):
+    """-> (loss, masked token count, top-1 agreement count), the counts of the first draft step. `module` is the
+    head (plain EAGLE training), an EagleTTT (the head unrolled on its own outputs; step k's loss weighted
+    step_weight^k), or either wrapped in DistributedDataParallel."""
     if noise:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
-    pred = head_forward(module, tokens, inputs)
-    n = mask.sum().clamp(min=1)
-    reg = (F.smooth_l1_loss(pred.float(), targets, reduction="none").mean(-1) * mask).sum() / n
-    with torch.no_grad():  # over the head's draft vocabulary when it has one: 6x less LM head at 8,192 tokens
-        target_logits = head.draft_logits(targets.to(pred.dtype)).float()
-        target_p = torch.softmax(target_logits, -1)
-    pred_logp = F.log_softmax(head.draft_logits(pred).float(), -1)
-    ce = (-(target_p * pred_logp).sum(-1) * mask).sum() / n
-    correct = ((pred_logp.argmax(-1) == target_logits.argmax(-1)).float() * mask).sum()
-    return reg + ce_weight * ce, mask.sum(), correct
+    inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+    preds = module(tokens, inputs) if isinstance(inner, EagleTTT) else [head_forward(module, tokens, inputs)]
+    loss = 0
+    for k, pred in enumerate(preds):
+        m, target = shift(mask, k), shift(targets, k)  # step k at pair t predicts f_{t+1+k}
+        n = m.sum().clamp(min=1)
+        reg = (F.smooth_l1_loss(pred.float(), target, reduction="none").mean(-1) * m).sum() / n
+        with torch.no_grad():  # over the head's draft vocabulary when it has one: 6x less LM head at 8,192 tokens
+            target_logits = head.draft_logits(target.to(pred.dtype)).float()
+            target_p = torch.softmax(target_logits, -1)
+        pred_logp = F.log_softmax(head.draft_logits(pred).float(), -1)
+        ce = (-(target_p * pred_logp).sum(-1) * m).sum() / n
+        loss = loss + step_weight ** k * (reg + ce_weight * ce)
+        if k == 0:
+            correct = ((pred_logp.argmax(-1) == target_logits.argmax(-1)).float() * m).sum()
+    return loss, mask.sum(), correct
 
 
 @torch.no_grad()
@@ -450,6 +458,51 @@ def shift(x, k):
     return x if k == 0 else torch.cat([x[:, k:], torch.zeros_like(x[:, :k])], 1)
 
 
+def unrolled_attention(att, x, freqs_cis, pos, keys, values):
+    """One step of a head unrolled on its own outputs (training-time test), at RoPE positions pos (T,): its queries see
+    the first step's keys causally (those came from the target's real features) and, of the later steps, only their
+    own position's key: the diagonal of the draft tree's mask, as a chain drafts. Appends this step's keys and values
+    to keys and values (lists of (B, H, T, hd)); returns the attention output after wo, (B, T, dim)."""
+    B, T, _ = x.shape
+    hd, H, Hkv = att.head_dim, att.n_head, att.n_local_heads
+    q, k, v = att.wqkv(x).split([H * hd, Hkv * hd, Hkv * hd], -1)
+    freqs = freqs_cis[pos]
+    q = apply_rotary_emb(q.view(B, T, H, hd), freqs).transpose(1, 2)  # (B, H, T, hd)
+    keys.append(apply_rotary_emb(k.view(B, T, Hkv, hd), freqs).repeat_interleave(H // Hkv, 2).transpose(1, 2))
+    values.append(v.view(B, T, Hkv, hd).repeat_interleave(H // Hkv, 2).transpose(1, 2))
+    causal = torch.arange(T, device=x.device)[:, None] >= torch.arange(T, device=x.device)[None, :]
+    scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))]  # (B, H, T, T)
+    scores += [(q * kj).sum(-1, keepdim=True) for kj in keys[1:]]  # (B, H, T, 1) each: the diagonal
+    probs = torch.softmax(torch.cat(scores, -1).float() * hd ** -0.5, -1).to(q.dtype)
+    y = probs[..., :T] @ values[0]
+    for j, vj in enumerate(values[1:]):
+        y = y + probs[..., T + j:T + j + 1] * vj
+    return att.wo(y.transpose(1, 2).reshape(B, T, H * hd))
+
+
+class EagleTTT(nn.Module):
+    """An EAGLE-1/2 head trained as it drafts (the training-time test of EAGLE-3, applied to a feature-regression
+    head): step k at pair t reads token x_{t+1+k} and its own step k-1 output at t (step 0: the target's feature f_t),
+    sits at RoPE position t + k and predicts f_{t+1+k}. Plain EAGLE training is steps = 1: the head then only ever
+    sees the target's real features, while from the second draft step on it reads its own predictions."""
+
+    def __init__(self, head: EagleHead, steps: int):
+        super().__init__()
+        self.head, self.steps = head, steps
+
+    def forward(self, tokens, features):
+        """tokens (B, T), features (B, T, dim) -> the predicted features of each step, a list of (B, T, dim)."""
+        head, layer = self.head, self.head.layer
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        f, keys, values, outs = features, [], [], []
+        for k in range(self.steps):
+            x = head.fc(torch.cat([head.embed(shift(tokens, k)).to(f.dtype), f], -1))
+            h = x + unrolled_attention(layer.attention, x, head.freqs_cis, pos + k, keys, values)  # no input norm
+            f = h + layer.feed_forward(layer.ffn_norm(h))
+            outs.append(f)
+        return outs
+
+
 class TrainingTimeTest(nn.Module):
     """EAGLE-3's training (Li et al., 2025): the head unrolled for `steps` draft steps on its own outputs, as it
     drafts. Step k at pair t reads token x_{t+1+k} and (k > 0) its own step k-1 output at t, sits at RoPE position
@@ -467,28 +520,13 @@ class TrainingTimeTest(nn.Module):
     def unroll(self, tokens, fused):
         """The head's outputs (before the final norm) at every position, for each unrolled step: a list of (B, T, dim)."""
         head, layer = self.head, self.head.layer
-        att = layer.attention
-        B, T = tokens.shape
-        hd, H, Hkv = att.head_dim, att.n_head, att.n_local_heads
-        pos = torch.arange(T, device=tokens.device)
-        causal = pos[:, None] >= pos[None, :]
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
         g, keys, values, outs = head.fc(fused), [], [], []
         for k in range(self.steps):
             normed = layer.hidden_norm(g)
             x = torch.cat([layer.input_norm(head.embed(shift(tokens, k)).to(g.dtype)), normed], -1)
-            q, kk, v = att.wqkv(x).split([H * hd, Hkv * hd, Hkv * hd], -1)
-            freqs = head.freqs_cis[pos + k]
-            q = apply_rotary_emb(q.view(B, T, H, hd), freqs).transpose(1, 2)  # (B, H, T, hd)
-            kk = apply_rotary_emb(kk.view(B, T, Hkv, hd), freqs).repeat_interleave(H // Hkv, 2).transpose(1, 2)
-            keys.append(kk)
-            values.append(v.view(B, T, Hkv, hd).repeat_interleave(H // Hkv, 2).transpose(1, 2))
-            scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))]  # (B, H, T, T)
-            scores += [(q * kj).sum(-1, keepdim=True) for kj in keys[1:]]  # (B, H, T, 1) each: the diagonal
-            probs = torch.softmax(torch.cat(scores, -1).float() * hd ** -0.5, -1).to(q.dtype)
-            y = probs[..., :T] @ values[0]
-            for j, vj in enumerate(values[1:]):
-                y = y + probs[..., T + j:T + j + 1] * vj
-            h = (normed if layer.norm_before_residual else g) + att.wo(y.transpose(1, 2).reshape(B, T, H * hd))
+            h = (normed if layer.norm_before_residual else g) + unrolled_attention(layer.attention, x, head.freqs_cis,
+                                                                                    pos + k, keys, values)
             g = h + layer.feed_forward(layer.ffn_norm(h))  # the next step reads this step's output
             outs.append(g)
         return outs
@@ -532,7 +570,7 @@ def eagle3_setup(target, train_seqs, args):
                       default_feature_layers(target.config.n_layer), size)
     head.d2t.copy_(vocab - torch.arange(size))
     head = head.to(args.device).attach(target)
-    return head, ttt_trainer(head, target, args.ttt_steps)
+    return head, ttt_trainer(head, target, args.ttt_steps or 4)
 
 
 def ttt_trainer(head: Eagle3Head, target, steps: int) -> TrainingTimeTest:
@@ -597,7 +635,7 @@ def fit(args):
         head = EagleHead(head_config_from_target(target.config), draft_vocab_size=0 if vocab is None else len(vocab))
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
-        trainer = head
+        trainer = EagleTTT(head, args.ttt_steps) if (args.ttt_steps or 1) > 1 else head
     if args.init_head and not (args.resume and (out / "train_state.pt").is_file()):
         init_from(head, args.init_head, target)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
@@ -791,7 +829,9 @@ def main(argv=None):
     f.add_argument("--kind", default="eagle", choices=["eagle", "eagle3"],
                    help="eagle: EAGLE-1/2 feature regression; eagle3: EAGLE-3 with training-time test (needs features "
                         "extracted with --fused)")
-    f.add_argument("--ttt_steps", type=int, default=4, help="eagle3: draft steps unrolled in training (the paper: 7)")
+    f.add_argument("--ttt_steps", type=int, default=None,
+                   help="draft steps unrolled in training (training-time test): eagle3 default 4 (the paper: 7); "
+                        "eagle default 1 (plain EAGLE training), 2+ trains it on its own outputs too")
     f.add_argument("--draft_vocab", type=int, default=8192,
                    help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152)")
     f.add_argument("--save_every", type=int, default=50)

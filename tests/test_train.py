@@ -632,6 +632,63 @@ def test_training_time_test_unrolls_exactly_as_the_head_drafts():
             g = out
 
 
+def test_eagle2_training_time_test_unrolls_exactly_as_the_head_drafts():
+    """EagleTTT step k at every position t equals the EAGLE-1/2 head run with its KV cache on its own step k-1
+    output, at RoPE position t + k, seeing the real features up to t and its own earlier steps at t."""
+    target = make_tiny_model()
+    head = tiny_head(target, seed=4)
+    tok = torch.randint(0, 96, (21,), generator=torch.Generator().manual_seed(6))
+    tokens, inputs, _, _ = train.make_batch([(tok, target_features(target, tok), torch.ones(21, dtype=torch.uint8))])
+    T = tokens.shape[1]
+    head.setup_caches(4 * T + 8)
+    cache, head.layer.attention.kv_cache = head.layer.attention.kv_cache, None  # training runs without the cache
+    with torch.no_grad():
+        outs = train.EagleTTT(head, 3)(tokens, inputs)
+        torch.testing.assert_close(outs[0], train.head_forward(head, tokens, inputs), atol=1e-5, rtol=1e-5)
+        head.layer.attention.kv_cache = cache
+        slots, pos = torch.arange(head.max_seq_length), torch.arange(T)
+        seen = slots[None, :] <= pos[:, None]  # (T, S): the real pairs up to t
+        f = inputs[0]
+        for k in range(3):
+            if k:
+                seen = seen | (slots[None, :] == (k * T + pos)[:, None])  # and this step's own slot at t
+            tok_k = torch.cat([tokens[0, k:], torch.zeros(k, dtype=torch.long)])
+            out = head(tok_k[None], f[None], k * T + pos, seen, rope_pos=pos + k)[0]
+            torch.testing.assert_close(out, outs[k][0], atol=1e-4, rtol=1e-4)
+            f = out
+
+
+def test_eagle2_training_time_test_loss_trains_the_later_steps():
+    """eagle_loss through EagleTTT: the step-0 counts are plain training's, and training on it raises the agreement
+    of the head drafting on its own outputs (1-alpha) on the batch it trained on."""
+    target = make_tiny_model()
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (20, 24, 17, 24):
+        tok = torch.randint(0, 96, (n,), generator=g)
+        seqs.append((tok, target_features(target, tok), torch.ones(n, dtype=torch.uint8)))
+    batch = train.make_batch(seqs)
+    target.requires_grad_(False)
+    head = tiny_head(target)
+    head.setup_caches(64)
+    head.layer.attention.kv_cache = None
+    ttt = train.EagleTTT(head, 2)
+    plain = train.eagle_loss(head, head, *batch, noise=0)
+    unrolled = train.eagle_loss(ttt, head, *batch, noise=0)
+    assert unrolled[1] == plain[1] and unrolled[2] == plain[2] and unrolled[0] > plain[0]
+    before = train.multi_step_accuracy(head, seqs, steps=1, starts_per_seq=1000)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    first = None
+    for _ in range(40):
+        loss, _, _ = train.eagle_loss(ttt, head, *batch, noise=0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = first if first is not None else loss.item()
+    after = train.multi_step_accuracy(head, seqs, steps=1, starts_per_seq=1000)
+    assert loss.item() < 0.5 * first and after[1] > before[1]
+
+
 def test_eagle3_loss_falls_and_fit_writes_a_loadable_head(tmp_path):
     import argparse
     from eagle_head import Eagle3Head
