@@ -426,6 +426,49 @@ def test_head_accuracy_script_scores_heads_on_the_held_out_split(tiny_run, tmp_p
     assert printed == [round(a, 3) for a in expected]
 
 
+def test_head_accuracy_script_scores_heads_on_benchmark_replies(tmp_path, default_checkpoint, real_tokenizer):
+    """--replies: a benchmark result's prompts and plain decoding's replies, teacher-forced, scored like the
+    held-out split (the README's MT-bench agreement row)."""
+    from eagle_head import EagleHead
+    from tokenizer import apply_chat_template
+    prompts = tmp_path / "prompts.jsonl"
+    turns = ["Name three colours.", "What is the capital of France?"]
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [t]}) + "\n" for i, t in enumerate(turns)))
+    replies = [real_tokenizer.encode("Red, green and blue are three colours that people like."),
+               real_tokenizer.encode("The capital of France is Paris, a city on the Seine.")]
+    result = {"prompts": str(prompts), "methods": {"plain@bfloat16": {"per_prompt": [
+        {"id": i, "token_ids": r} for i, r in enumerate(replies)]}}}
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    target = load_model(default_checkpoint, pack=False)
+    head = EagleHead(train.head_config_from_target(target.config)).attach(target)
+    save_head(head, tmp_path / "head", target_info(target))
+    proc = subprocess.run([sys.executable, "scripts/head_accuracy.py", "--replies", str(tmp_path / "result.json"),
+                           "--heads", str(tmp_path / "head"), "--starts_per_seq", "1000"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 benchmark replies" in proc.stdout
+    row = [line for line in proc.stdout.splitlines() if line.startswith(f"| {tmp_path / 'head'} |")][0]
+    printed = [float(x) for x in row.strip("|").split("|")[1:]]
+    seqs = []
+    config = target.checkpoint_config
+    for turn, reply in zip(turns, replies):
+        ids = real_tokenizer.encode(apply_chat_template([{"role": "user", "content": turn}],
+                                                        config.get("chat_template"), config.get("default_system_prompt")))
+        full = torch.tensor(ids + reply)
+        mask = torch.zeros(len(full), dtype=torch.uint8)
+        mask[len(ids):] = 1
+        seqs.append((full, target_features(target, full).to(torch.bfloat16), mask))
+    loaded = load_head(tmp_path / "head", target)
+    loaded.setup_caches(256)
+    loaded.layer.attention.kv_cache = None
+    with torch.no_grad():
+        expected = train.multi_step_accuracy(loaded, seqs, 4, 1000)
+    assert printed == pytest.approx([round(a, 3) for a in expected], abs=1.001e-3)
+    bad = subprocess.run([sys.executable, "scripts/head_accuracy.py", "--replies", str(prompts), "--heads",
+                          str(tmp_path / "head")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
 def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tmp_path):
     args = ["--epochs", "20", "--batch_size", "4", "--save_every", "2", "--warmup", "5", "--no_eval"]
     total = 20 * (N_TRAIN // 4)
