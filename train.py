@@ -326,16 +326,20 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
 
 # ---------------------------------------------------------------- training
 
-def load_features(out: Path):
+def load_features(out: Path, fused: bool = True):
     """All shards -> list of (tokens, features, loss_mask[, fused, top1]) per sequence, split into train and
-    validation."""
-    from safetensors.torch import load_file
+    validation. fused=False leaves out the EAGLE-3 features (three quarters of a --fused shard's bytes), which an
+    EAGLE-1/2 run never reads."""
+    from safetensors import safe_open
     train, val = [], []
     files = sorted((out / "features").glob("*shard_*.safetensors"))  # every pass's shards (--shard_prefix)
     if not files:
         raise FileNotFoundError(f"no feature shards in {out / 'features'}: run `python train.py extract` first")
     for f in files:
-        s = load_file(str(f))
+        with safe_open(str(f), "pt") as shard:
+            keys = ["tokens", "features", "loss_mask", "offsets", "split"]
+            keys += ["fused", "top1"] if fused and "fused" in shard.keys() else []
+            s = {k: shard.get_tensor(k) for k in keys}
         o = s["offsets"].tolist()
         for j in range(len(o) - 1):
             cut = slice(o[j], o[j + 1])
@@ -623,7 +627,7 @@ def fit(args):
     target = load_model(checkpoint, args.device, torch.float32, pack=False)  # the loss backpropagates through its LM head
     for p in target.parameters():
         p.requires_grad_(False)
-    train_seqs, val_seqs = load_features(out)
+    train_seqs, val_seqs = load_features(out, fused=args.kind == "eagle3")
     if args.max_train_seqs:
         train_seqs = train_seqs[:args.max_train_seqs]
     if args.kind == "eagle3":
@@ -681,8 +685,7 @@ def fit(args):
             batch = (t[rank::world].to(args.device) for t in make_batch3([train_seqs[j] for j in batch_ids]))
             with autocast:
                 loss, counts, corrects = model(*batch)
-            count, correct, tokens = counts[0], corrects[0], torch.zeros(0)
-            seen_tokens += int(counts[0].item())
+            count, correct = counts[0], corrects[0]
         else:
             tokens, inputs, targets, mask = make_batch([train_seqs[j] for j in batch_ids])
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * 0.1
@@ -698,11 +701,11 @@ def fit(args):
         torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
         opt.step()
         step += 1
-        seen_tokens += tokens.numel()
+        seen_tokens += sum(lengths[j] for j in batch_ids)  # the global batch's tokens (no padding), both kinds
         bar.update(1)
         acc = correct.item() / max(count.item(), 1)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}",
-                        tok_per_s=f"{seen_tokens * world / (time.perf_counter() - t0):.0f}")
+                        tok_per_s=f"{seen_tokens / (time.perf_counter() - t0):.0f}")
         log.append({"step": step, "loss": loss.item(), "acc": acc})
         if rank == 0 and (step % args.save_every == 0 or step == total_steps):
             torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
@@ -718,7 +721,7 @@ def fit(args):
                    "train_tokens_per_epoch": sum(len(s[0]) for s in train_seqs),
                    "draft_vocab": args.draft_vocab, "bf16": bool(args.bf16),
                    "seconds_this_run": round(seconds, 1),
-                   "tokens_per_s_this_run": round(seen_tokens * world / max(seconds, 1e-9), 1),
+                   "tokens_per_s_this_run": round(seen_tokens / max(seconds, 1e-9), 1),
                    "machine": f"{platform.processor() or platform.machine()}, kernels {kernels.isa()}, "
                               f"{torch.get_num_threads()} threads x {world} processes, torch {torch.__version__}"}
         if val_seqs and not args.no_eval:
@@ -771,7 +774,7 @@ def set_vocab(args):
     held-out assistant tokens it covers (a draft can only ever propose covered tokens)."""
     out = Path(args.out)
     head_dir = Path(args.head) if args.head else out / "head"
-    train_seqs, val_seqs = load_features(out)
+    train_seqs, val_seqs = load_features(out, fused=False)
     target = load_model(run_checkpoint(args.checkpoint, out))
     head = load_head(head_dir, target)
     config = json.loads((head_dir / "head_config.json").read_text())

@@ -55,39 +55,42 @@ def main():
     where.add_argument("--run", type=Path, help="a train.py run directory (its feature shards)")
     where.add_argument("--replies", type=Path, help="a benchmark.py result: its prompts and plain decoding's replies")
     p.add_argument("--heads", nargs="+", required=True, help="head directories to score")
-    p.add_argument("--checkpoint", type=Path, default=None, help="the target (default: the run's, or the default model)")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="the target (default: the run's, or the default model)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--starts_per_seq", type=int, default=32)
     args = p.parse_args()
     try:
-        if args.run:
-            _, val = load_features(args.run)
-            target = load_model(run_checkpoint(args.checkpoint, args.run), "cpu", torch.float32, pack=False)
-        else:
-            checkpoint = args.checkpoint or default_checkpoint()
-            target = load_model(checkpoint, "cpu", torch.float32, pack=False)
-            val = benchmark_sequences(args.replies, target, checkpoint)
-    except (FileNotFoundError, CheckpointError, ValueError, KeyError, json.JSONDecodeError) as e:
+        checkpoint = run_checkpoint(args.checkpoint, args.run) if args.run else args.checkpoint or default_checkpoint()
+        target = load_model(checkpoint, "cpu", torch.float32, pack=False)
+    except (FileNotFoundError, CheckpointError) as e:
+        die(f"{e}")
+    heads = {}
+    for d in args.heads:
+        try:
+            heads[d] = load_head(d, target, "cpu", torch.float32)
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            die(f"{d}: {e}")
+    try:  # the fused features only where an EAGLE-3 head reads them (three quarters of a --fused shard's bytes)
+        val = (load_features(args.run, fused=any(not isinstance(h, EagleHead) for h in heads.values()))[1]
+               if args.run else benchmark_sequences(args.replies, target, checkpoint))
+    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
         die(f"{e}")
     if not val:
         die(f"{args.run or args.replies} has no held-out conversations")
-    print(f"{len(val)} {'held-out conversations' if args.run else 'benchmark replies'}, {sum(int(s[2].sum()) for s in val)} assistant tokens; "
-          f"top-1 agreement with the target at draft step k")
+    print(f"{len(val)} {'held-out conversations' if args.run else 'benchmark replies'}, "
+          f"{sum(int(s[2].sum()) for s in val)} assistant tokens; top-1 agreement with the target at draft step k")
     print("| head | " + " | ".join(f"{k}-α" for k in range(args.steps + 1)) + " |")
     print("|---|" + "---|" * (args.steps + 1))
     with torch.no_grad():
-        for d in args.heads:
-            try:
-                head = load_head(d, target, "cpu", torch.float32)
-            except (FileNotFoundError, ValueError, KeyError) as e:
-                die(f"{d}: {e}")
+        for d, head in heads.items():
             head.setup_caches(max(len(s[0]) for s in val) + 64)
             head.layer.attention.kv_cache = None  # whole sequences, as in training
             if isinstance(head, EagleHead):
                 acc = multi_step_accuracy(head, val, args.steps, args.starts_per_seq)
             else:
                 if len(val[0]) < 5:
-                    die(f"{args.run} has no fused features for the EAGLE-3 head {d} (extract --fused)")
+                    die(f"{args.run or args.replies} has no fused features for the EAGLE-3 head {d} (extract --fused)")
                 acc = ttt_accuracy(ttt_trainer(head, target, args.steps + 1), val)
             print(f"| {d} | " + " | ".join(f"{a:.3f}" for a in acc) + " |")
 

@@ -452,8 +452,9 @@ def test_head_accuracy_script_scores_heads_on_benchmark_replies(tmp_path, defaul
     seqs = []
     config = target.checkpoint_config
     for turn, reply in zip(turns, replies):
-        ids = real_tokenizer.encode(apply_chat_template([{"role": "user", "content": turn}],
-                                                        config.get("chat_template"), config.get("default_system_prompt")))
+        text = apply_chat_template([{"role": "user", "content": turn}], config.get("chat_template"),
+                                   config.get("default_system_prompt"))
+        ids = real_tokenizer.encode(text)
         full = torch.tensor(ids + reply)
         mask = torch.zeros(len(full), dtype=torch.uint8)
         mask[len(ids):] = 1
@@ -626,6 +627,9 @@ def test_extract_regenerate_end_to_end(tmp_path, default_checkpoint):
     tok, feat, mask, fused, top1 = (train_seqs + val_seqs)[0]
     assert feat.shape == (len(tok), 576) and fused.shape == (len(tok), 3 * 576) and top1.shape == tok.shape
     assert mask.sum() > 0 and not mask[0]
+    lean = train.load_features(out, fused=False)  # an EAGLE-1/2 run reads the same sequences without the fused states
+    assert [len(s) for s in lean[0] + lean[1]] == [3] * 3
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(lean[0] + lean[1], train_seqs + val_seqs))
     files = sorted((out / "features").iterdir())
     train.main(args)  # resumes: every shard is there, nothing is redone
     assert [f.stat().st_mtime_ns for f in sorted((out / "features").iterdir())] == [f.stat().st_mtime_ns for f in files]
