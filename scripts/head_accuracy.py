@@ -19,9 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmark import load_prompts  # noqa: E402
 from eagle_head import EagleHead, default_feature_layers, load_head  # noqa: E402
 from generate import ROOT, CheckpointError, default_checkpoint, die, load_model  # noqa: E402
-from train import load_features, multi_step_accuracy, run_checkpoint, ttt_accuracy, ttt_trainer  # noqa: E402
-
 from tokenizer import get_tokenizer  # noqa: E402
+from train import load_features, multi_step_accuracy, run_checkpoint, ttt_accuracy, ttt_trainer  # noqa: E402
 
 
 @torch.no_grad()
@@ -64,7 +63,7 @@ def main():
         checkpoint = run_checkpoint(args.checkpoint, args.run) if args.run else args.checkpoint or default_checkpoint()
         target = load_model(checkpoint, "cpu", torch.float32, pack=False)
     except (FileNotFoundError, CheckpointError) as e:
-        die(f"{e}")
+        die(str(e))
     heads = {}
     for d in args.heads:
         try:
@@ -75,9 +74,9 @@ def main():
         val = (load_features(args.run, fused=any(not isinstance(h, EagleHead) for h in heads.values()))[1]
                if args.run else benchmark_sequences(args.replies, target, checkpoint))
     except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
-        die(f"{e}")
+        die(str(e))
     if not val:
-        die(f"{args.run or args.replies} has no held-out conversations")
+        die(f"{args.run or args.replies} has no {'held-out conversations' if args.run else 'replies'}")
     print(f"{len(val)} {'held-out conversations' if args.run else 'benchmark replies'}, "
           f"{sum(int(s[2].sum()) for s in val)} assistant tokens; top-1 agreement with the target at draft step k")
     print("| head | " + " | ".join(f"{k}-α" for k in range(args.steps + 1)) + " |")

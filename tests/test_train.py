@@ -652,6 +652,23 @@ def eagle3_sequence(target, n=20, seed=0):
     return tok, hidden[-1][0], mask, torch.cat(hidden[:3], -1)[0], logits[0].argmax(-1)
 
 
+def assert_unrolled_as_drafted(head, tokens, features, outs):
+    """Each unrolled step k (outs[k], (1, T, dim)) equals the head run with its KV cache (set up for len(outs) x T
+    slots) on its own step k-1 output, at RoPE position t + k, seeing the real pairs up to t and its own earlier
+    steps at t (the drafting mask). tokens (T,), features (T, in_dim): the first step's inputs."""
+    T = len(tokens)
+    slots, pos = torch.arange(head.max_seq_length), torch.arange(T)
+    seen = slots[None, :] <= pos[:, None]  # (T, S): the real pairs up to t
+    f = features
+    for k in range(len(outs)):
+        if k:
+            seen = seen | (slots[None, :] == (k * T + pos)[:, None])  # and this step's own slot at t
+        tok_k = torch.cat([tokens[k:], torch.zeros(k, dtype=torch.long)])
+        out = head(tok_k[None], f[None], k * T + pos, seen, rope_pos=pos + k)[0]
+        torch.testing.assert_close(out, outs[k][0], atol=1e-4, rtol=1e-4)
+        f = out
+
+
 def test_training_time_test_unrolls_exactly_as_the_head_drafts():
     """Step k of the unrolled training forward, at every position t, equals what drafting computes there: the head
     run with its KV cache on its own step k-1 output, at RoPE position t + k, seeing the real features up to t and
@@ -665,18 +682,7 @@ def test_training_time_test_unrolls_exactly_as_the_head_drafts():
     head.setup_caches(4 * T + 8)
     tokens, fused, _, _, _ = train.make_batch3([seq])
     with torch.no_grad():
-        outs = trainer.unroll(tokens, fused)
-        slots = torch.arange(head.max_seq_length)
-        pos = torch.arange(T)
-        seen = slots[None, :] <= pos[:, None]  # (T, S): the real pairs up to t
-        g = fused[0]
-        for k in range(3):
-            if k:
-                seen = seen | (slots[None, :] == (k * T + pos)[:, None])  # and this step's own slot at t
-            tok_k = torch.cat([tokens[0, k:], torch.zeros(k, dtype=torch.long)])
-            out = head(tok_k[None], g[None], k * T + pos, seen, rope_pos=pos + k)[0]
-            torch.testing.assert_close(out, outs[k][0], atol=1e-4, rtol=1e-4)
-            g = out
+        assert_unrolled_as_drafted(head, tokens[0], fused[0], trainer.unroll(tokens, fused))
 
 
 def test_eagle2_training_time_test_unrolls_exactly_as_the_head_drafts():
@@ -693,16 +699,7 @@ def test_eagle2_training_time_test_unrolls_exactly_as_the_head_drafts():
         outs = train.EagleTTT(head, 3)(tokens, inputs)
         torch.testing.assert_close(outs[0], train.head_forward(head, tokens, inputs), atol=1e-5, rtol=1e-5)
         head.layer.attention.kv_cache = cache
-        slots, pos = torch.arange(head.max_seq_length), torch.arange(T)
-        seen = slots[None, :] <= pos[:, None]  # (T, S): the real pairs up to t
-        f = inputs[0]
-        for k in range(3):
-            if k:
-                seen = seen | (slots[None, :] == (k * T + pos)[:, None])  # and this step's own slot at t
-            tok_k = torch.cat([tokens[0, k:], torch.zeros(k, dtype=torch.long)])
-            out = head(tok_k[None], f[None], k * T + pos, seen, rope_pos=pos + k)[0]
-            torch.testing.assert_close(out, outs[k][0], atol=1e-4, rtol=1e-4)
-            f = out
+        assert_unrolled_as_drafted(head, tokens[0], inputs[0], outs)
 
 
 def test_eagle2_training_time_test_loss_trains_the_later_steps():
