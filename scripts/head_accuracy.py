@@ -73,7 +73,9 @@ def main():
     try:  # the fused features only where an EAGLE-3 head reads them (three quarters of a --fused shard's bytes)
         val = (load_features(args.run, fused=any(not isinstance(h, EagleHead) for h in heads.values()))[1]
                if args.run else benchmark_sequences(args.replies, target, checkpoint))
-    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except json.JSONDecodeError as e:
+        die(f"{args.replies}: not a benchmark.py result ({e})")
+    except (FileNotFoundError, ValueError, KeyError) as e:
         die(str(e))
     if not val:
         die(f"{args.run or args.replies} has no {'held-out conversations' if args.run else 'replies'}")
