@@ -691,7 +691,8 @@ def fit(args):
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * 0.1
             tokens, inputs, targets, mask = (t[rank::world].to(args.device) for t in (tokens, inputs, targets, mask))
             with autocast:
-                loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask, noise=0)  # noise added above
+                loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask, noise=0,  # noise added above
+                                                  ce_weight=args.ce_weight)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, args.warmup, args.lr)
         opt.zero_grad(set_to_none=True)
@@ -719,7 +720,8 @@ def fit(args):
         seconds = time.perf_counter() - t0
         summary = {"kind": args.kind, "steps": total_steps, "epochs": args.epochs, "train_sequences": len(train_seqs),
                    "train_tokens_per_epoch": sum(len(s[0]) for s in train_seqs),
-                   "draft_vocab": args.draft_vocab, "bf16": bool(args.bf16),
+                   "draft_vocab": args.draft_vocab, "bf16": bool(args.bf16), "ttt_steps": args.ttt_steps,
+                   **({} if args.kind == "eagle3" else {"ce_weight": args.ce_weight}),
                    "seconds_this_run": round(seconds, 1),
                    "tokens_per_s_this_run": round(seen_tokens / max(seconds, 1e-9), 1),
                    "machine": f"{platform.processor() or platform.machine()}, kernels {kernels.isa()}, "
@@ -835,6 +837,8 @@ def main(argv=None):
     f.add_argument("--ttt_steps", type=int, default=None,
                    help="draft steps unrolled in training (training-time test): eagle3 default 4 (the paper: 7); "
                         "eagle default 1 (plain EAGLE training), 2+ trains it on its own outputs too")
+    f.add_argument("--ce_weight", type=float, default=0.1,
+                   help="eagle: weight of the token loss beside the feature regression (EAGLE's 0.1)")
     f.add_argument("--draft_vocab", type=int, default=8192,
                    help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152)")
     f.add_argument("--save_every", type=int, default=50)

@@ -221,6 +221,10 @@ def test_eagle_loss_decreases_when_training_on_a_fixed_batch():
     assert losses[-1] < 0.5 * losses[0] and accs[-1] > accs[0]
     # the target's embedding and LM head are shared, not part of the head (the optimizer never moves them)
     assert not {id(p) for p in head.parameters()} & {id(p) for p in target.parameters()}
+    # --ce_weight: the token loss beside the feature regression, linear in its weight
+    with torch.no_grad():
+        l0, l1, l2 = (train.eagle_loss(head, head, *batch, noise=0, ce_weight=w)[0] for w in (0.0, 1.0, 2.0))
+    assert l1 > l0 and torch.allclose(l2 - l1, l1 - l0, rtol=1e-4)
 
 
 def head_trajectory(head, tok, f0):
@@ -374,10 +378,10 @@ def test_tiny_checkpoint_loads_and_shards_read_back(tiny_run):
 def test_fit_writes_a_loadable_head_summary_and_state(tiny_run, tmp_path):
     out = fresh_run(tiny_run, tmp_path, "fit")  # checkpoint from extract_config.json
     train.main(["fit", "--out", str(out), "--epochs", "2", "--batch_size", "4", "--save_every", "3",
-                "--warmup", "2", "--eval_prompts", "2"])
+                "--warmup", "2", "--eval_prompts", "2", "--ce_weight", "0.2"])
     steps = 2 * (N_TRAIN // 4)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["train_sequences"] == N_TRAIN
+    assert summary["steps"] == steps and summary["train_sequences"] == N_TRAIN and summary["ce_weight"] == 0.2
     acc = summary["val_accuracy_by_step"]
     assert len(acc) == 5 and all(0 <= a <= 1 for a in acc)
     assert summary["val_tau_dynamic"] >= 1.0
