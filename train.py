@@ -631,12 +631,15 @@ def fit(args):
     if args.max_train_seqs:
         train_seqs = train_seqs[:args.max_train_seqs]
     if args.kind == "eagle3":
+        if args.head_ffn:
+            die("--head_ffn widens an EAGLE-1/2 head (--kind eagle)")
         if len(train_seqs[0]) < 5:
             die(f"{out / 'features'} has no fused features: extract them with `train.py extract --fused`")
         head, trainer = eagle3_setup(target, train_seqs, args)
     else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
         vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
-        head = EagleHead(head_config_from_target(target.config), draft_vocab_size=0 if vocab is None else len(vocab))
+        config = head_config_from_target(target.config, **({"intermediate_size": args.head_ffn} if args.head_ffn else {}))
+        head = EagleHead(config, draft_vocab_size=0 if vocab is None else len(vocab))
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
         trainer = EagleTTT(head, args.ttt_steps) if (args.ttt_steps or 1) > 1 else head
@@ -752,14 +755,24 @@ def init_from(head, head_dir, target):
         die(f"--init_head {head_dir} is a {type(start).__name__}, this run trains a {type(head).__name__} (--kind)")
     own = head.state_dict()
     weights = {k: v for k, v in start.state_dict().items() if k != "draft_vocab"}
-    bad = [k for k, v in weights.items() if k not in own or own[k].shape != v.shape]
+    # a wider MLP (--head_ffn) keeps the trained units first; its new units' down-projection starts at zero, so the
+    # wider head starts out computing exactly what the trained one does
+    ffn = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
+    grows = lambda k, v: (k.endswith(ffn) and k in own and own[k].dim() == v.dim() == 2
+                          and own[k].shape[int(k.endswith("w2.weight"))] > v.shape[int(k.endswith("w2.weight"))])
+    bad = [k for k, v in weights.items() if k not in own or (own[k].shape != v.shape and not grows(k, v))]
     if bad:
         die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")
     if "d2t" in weights and not torch.equal(weights["d2t"], own["d2t"]):  # EAGLE-3: its LM head rows are its vocabulary
         die(f"--init_head {head_dir} drafts over another vocabulary than this run's data gives")
     with torch.no_grad():
         for k, v in weights.items():
-            own[k].copy_(v)
+            if own[k].shape == v.shape:
+                own[k].copy_(v)
+            elif k.endswith("w2.weight"):
+                own[k].zero_()[:, :v.shape[1]] = v
+            else:
+                own[k][:v.shape[0]] = v
     print(f"initialised from {head_dir}", file=sys.stderr)
 
 
@@ -837,6 +850,8 @@ def main(argv=None):
     f.add_argument("--ttt_steps", type=int, default=None,
                    help="draft steps unrolled in training (training-time test): eagle3 default 4 (the paper: 7); "
                         "eagle default 1 (plain EAGLE training), 2+ trains it on its own outputs too")
+    f.add_argument("--head_ffn", type=int, default=0,
+                   help="eagle: the head's MLP width (default: the target's); wider than --init_head's grows it")
     f.add_argument("--ce_weight", type=float, default=0.1,
                    help="eagle: weight of the token loss beside the feature regression (EAGLE's 0.1)")
     f.add_argument("--draft_vocab", type=int, default=8192,

@@ -409,6 +409,24 @@ def test_fit_can_start_from_a_trained_head(tiny_run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main([*args, "--out", str(fresh), "--init_head", str(tmp_path / "nothing")])
     assert "--init_head" in capsys.readouterr().err
+    # --head_ffn grows the MLP: the trained units first, the new ones with a zero down-projection, so at learning
+    # rate 0 the wider head predicts exactly what the narrower one does
+    target = load_model(tiny_run[0], pack=False)
+    narrow = load_head(first / "head", target)
+    width = narrow.config.intermediate_size
+    wide_run = fresh_run(tiny_run, tmp_path, "wide")
+    train.main([*args, "--out", str(wide_run), "--lr", "0", "--init_head", str(first / "head"),
+                "--head_ffn", str(2 * width)])
+    wide = load_head(wide_run / "head", target)
+    assert wide.layer.feed_forward.w2.weight.shape == (narrow.config.dim, 2 * width)
+    assert wide.layer.feed_forward.w1.weight[width:].abs().sum() > 0  # new units are initialised, not dead
+    seq = train.load_features(first)[1][0]
+    for h in (narrow, wide):
+        h.setup_caches(128)
+        h.layer.attention.kv_cache = None
+    with torch.no_grad():
+        outs = [train.head_forward(h, seq[0][None], seq[1][None].float()) for h in (narrow, wide)]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
 def test_head_accuracy_script_scores_heads_on_the_held_out_split(tiny_run, tmp_path):
