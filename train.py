@@ -661,7 +661,10 @@ def fit(args):
     step = 0
     if args.resume and state_path.is_file():
         state = torch.load(state_path, map_location="cpu", weights_only=True)
-        head.load_state_dict(state["head"])
+        try:
+            head.load_state_dict(state["head"])
+        except RuntimeError:
+            die(f"{state_path} holds a head of another shape: resume with the options it started with (--head_ffn)")
         if args.kind != "eagle3":
             head.set_draft_vocab(head.draft_vocab)  # re-cut the LM head rows for the restored vocabulary
         opt.load_state_dict(state["optimizer"])
@@ -758,8 +761,13 @@ def init_from(head, head_dir, target):
     # a wider MLP (--head_ffn) keeps the trained units first; its new units' down-projection starts at zero, so the
     # wider head starts out computing exactly what the trained one does
     ffn = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
-    grows = lambda k, v: (k.endswith(ffn) and k in own and own[k].dim() == v.dim() == 2
-                          and own[k].shape[int(k.endswith("w2.weight"))] > v.shape[int(k.endswith("w2.weight"))])
+
+    def grows(k, v):  # w1 and w3 have more rows, w2 more columns; the other dimension the same
+        if k not in own or not k.endswith(ffn) or own[k].dim() != 2 or v.dim() != 2:
+            return False
+        wide = 1 if k.endswith("w2.weight") else 0
+        return own[k].shape[1 - wide] == v.shape[1 - wide] and own[k].shape[wide] > v.shape[wide]
+
     bad = [k for k, v in weights.items() if k not in own or (own[k].shape != v.shape and not grows(k, v))]
     if bad:
         die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")

@@ -427,6 +427,9 @@ def test_fit_can_start_from_a_trained_head(tiny_run, tmp_path, capsys):
     with torch.no_grad():
         outs = [train.head_forward(h, seq[0][None], seq[1][None].float()) for h in (narrow, wide)]
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    with pytest.raises(SystemExit):  # resuming it at the default width: one line, not a state-dict traceback
+        train.main([*args, "--out", str(wide_run), "--resume"])
+    assert "--head_ffn" in capsys.readouterr().err
 
 
 def test_head_accuracy_script_scores_heads_on_the_held_out_split(tiny_run, tmp_path):
