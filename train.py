@@ -614,6 +614,8 @@ def run_checkpoint(checkpoint, out: Path) -> Path:
 
 def fit(args):
     from tqdm import tqdm
+    if args.head_ffn < 0:
+        die(f"--head_ffn {args.head_ffn}: a width must be positive")
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     rank, world = 0, 1
     if distributed:
@@ -638,8 +640,9 @@ def fit(args):
         head, trainer = eagle3_setup(target, train_seqs, args)
     else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
         vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
-        config = head_config_from_target(target.config, **({"intermediate_size": args.head_ffn} if args.head_ffn else {}))
-        head = EagleHead(config, draft_vocab_size=0 if vocab is None else len(vocab))
+        width = args.head_ffn or target.config.intermediate_size
+        head = EagleHead(head_config_from_target(target.config, intermediate_size=width),
+                         draft_vocab_size=0 if vocab is None else len(vocab))
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
         trainer = EagleTTT(head, args.ttt_steps) if (args.ttt_steps or 1) > 1 else head
@@ -697,8 +700,8 @@ def fit(args):
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * 0.1
             tokens, inputs, targets, mask = (t[rank::world].to(args.device) for t in (tokens, inputs, targets, mask))
             with autocast:
-                loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask, noise=0,  # noise added above
-                                                  ce_weight=args.ce_weight)
+                loss, count, correct = eagle_loss(model, head, tokens, inputs, targets, mask,
+                                                  noise=0, ce_weight=args.ce_weight)  # noise added above
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, args.warmup, args.lr)
         opt.zero_grad(set_to_none=True)
@@ -761,26 +764,18 @@ def init_from(head, head_dir, target):
     # a wider MLP (--head_ffn) keeps the trained units first; its new units' down-projection starts at zero, so the
     # wider head starts out computing exactly what the trained one does
     ffn = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
-
-    def grows(k, v):  # w1 and w3 have more rows, w2 more columns; the other dimension the same
-        if k not in own or not k.endswith(ffn) or own[k].dim() != 2 or v.dim() != 2:
-            return False
-        wide = 1 if k.endswith("w2.weight") else 0
-        return own[k].shape[1 - wide] == v.shape[1 - wide] and own[k].shape[wide] > v.shape[wide]
-
-    bad = [k for k, v in weights.items() if k not in own or (own[k].shape != v.shape and not grows(k, v))]
+    fits = lambda k, v: own[k].shape == v.shape or (  # noqa: E731
+        k.endswith(ffn) and own[k].dim() == v.dim() and all(a >= b for a, b in zip(own[k].shape, v.shape)))
+    bad = [k for k, v in weights.items() if k not in own or not fits(k, v)]
     if bad:
         die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")
     if "d2t" in weights and not torch.equal(weights["d2t"], own["d2t"]):  # EAGLE-3: its LM head rows are its vocabulary
         die(f"--init_head {head_dir} drafts over another vocabulary than this run's data gives")
     with torch.no_grad():
         for k, v in weights.items():
-            if own[k].shape == v.shape:
-                own[k].copy_(v)
-            elif k.endswith("w2.weight"):
-                own[k].zero_()[:, :v.shape[1]] = v
-            else:
-                own[k][:v.shape[0]] = v
+            if own[k].shape != v.shape and k.endswith("w2.weight"):
+                own[k].zero_()  # the new units' outputs; their w1 and w3 rows keep their random start
+            own[k][tuple(slice(0, n) for n in v.shape)].copy_(v)
     print(f"initialised from {head_dir}", file=sys.stderr)
 
 
