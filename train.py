@@ -616,6 +616,9 @@ def fit(args):
     from tqdm import tqdm
     if args.head_ffn < 0:
         die(f"--head_ffn {args.head_ffn}: a width must be positive")
+    if args.kind == "eagle3" and args.ce_weight is not None:  # EAGLE-3 trains on the token loss alone
+        die("--ce_weight weighs the token loss beside EAGLE-1/2's feature regression (--kind eagle)")
+    args.ce_weight = 0.1 if args.ce_weight is None else args.ce_weight
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     rank, world = 0, 1
     if distributed:
@@ -855,8 +858,8 @@ def main(argv=None):
                         "eagle default 1 (plain EAGLE training), 2+ trains it on its own outputs too")
     f.add_argument("--head_ffn", type=int, default=0,
                    help="eagle: the head's MLP width (default: the target's); wider than --init_head's grows it")
-    f.add_argument("--ce_weight", type=float, default=0.1,
-                   help="eagle: weight of the token loss beside the feature regression (EAGLE's 0.1)")
+    f.add_argument("--ce_weight", type=float, default=None,
+                   help="eagle: weight of the token loss beside the feature regression (default EAGLE's 0.1)")
     f.add_argument("--draft_vocab", type=int, default=8192,
                    help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152)")
     f.add_argument("--save_every", type=int, default=50)

@@ -786,3 +786,6 @@ def test_fit_eagle3_needs_fused_features(tiny_run, tmp_path, capsys):
     out = fresh_run(tiny_run, tmp_path, "e3")
     code, err = exit_code_and_stderr(["fit", "--out", str(out), "--kind", "eagle3"], capsys)
     assert code == 2 and "extract them with `train.py extract --fused`" in err
+    # EAGLE-3 trains on the token loss alone: a --ce_weight for it is an error, not silently ignored
+    code, err = exit_code_and_stderr(["fit", "--out", str(out), "--kind", "eagle3", "--ce_weight", "0.5"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--ce_weight" in err
