@@ -100,8 +100,14 @@ struct Lin {
 // With 2+ activation rows a block does enough arithmetic per weight byte that the core's own cache misses no longer
 // keep DRAM busy: the multiply-adds and the memory wait took turns (576 x 1536 bf16 at M = 5: 79 us, at M = 1: 56;
 // hot in cache 35). Asking for the stream 16 KB ahead into L2 overlaps them (50 us; the LM head 1446 -> 1074 us).
-// At M = 1 the misses already stream and the prefetches only cost (49 -> 60 us), so it runs for M >= 2 only.
+// At M = 1 on AMD the misses already stream and the prefetches only cost (Zen 4: 49 -> 60 us), so there it runs for
+// M >= 2 only; on Intel it pays at M = 1 too (Emerald Rapids: a bf16 decode step 14.3-14.9 -> 8.6-11.9 ms).
 constexpr int64_t PREFETCH_AHEAD = 16384;
+
+bool amd_cpu() {
+  static bool value = (__builtin_cpu_init(), __builtin_cpu_is("amd"));
+  return value;
+}
 
 inline void prefetch_ahead(const Lin& a, int64_t n0, int64_t kb) {  // blocks are one stream: block n0 / 4, step kb
   const char* p = a.w + ((n0 - a.n_base) / 4 * (a.K / 32) + kb) * 64 * a.ahead_lines + PREFETCH_AHEAD;
@@ -139,11 +145,12 @@ void run_linear(const Lin& a, int max_mb) {
   for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
     const int64_t rows = std::min<int64_t>(64, a.M - p0);
     const int64_t n_mb = (rows + max_mb - 1) / max_mb;
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int nb = rows == 1 && blocks % Kernel::WIDE == 0 ? Kernel::WIDE : 1;
+    at::parallel_for(0, blocks / nb, std::max<int64_t>(1, grain / nb), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; b++)
         for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
           const int mb = (int)((p0 + rows - m0) / (n_mb - i));
-          Kernel::rows(a, m0, mb, 4 * b);
+          Kernel::rows(a, m0, mb, 4 * nb * b, nb);
           m0 += mb;
         }
     });
@@ -229,25 +236,29 @@ struct Bf16Step {
 // activation rows m0..m0+MB-1 x weight rows n0..n0+3: one accumulator each, summed over K in one fixed order
 template <class Step>
 struct Kernel512 {
-  template <int MB>
+  template <int MB, int NB = 1>
   static inline void block(const Lin& a, int64_t m0, int64_t n0) {
-    __m512 acc[MB][4];
+    __m512 acc[MB][4 * NB];
     for (int i = 0; i < MB; i++)
-      for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < 4 * NB; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < a.K / 32; kb++) {
-      typename Step::W w[4];
-      if (a.ahead_lines) prefetch_ahead(a, n0, kb);
-      for (int j = 0; j < 4; j++) Step::load(a, n0 + j, kb, w[j]);
+      typename Step::W w[4 * NB];
+      if (a.ahead_lines)
+        for (int b = 0; b < NB; b++) prefetch_ahead(a, n0 + 4 * b, kb);
+      for (int j = 0; j < 4 * NB; j++) Step::load(a, n0 + j, kb, w[j]);
       for (int i = 0; i < MB; i++) {
         typename Step::X x;
         Step::xload(a, m0 + i, kb, x);
-        for (int j = 0; j < 4; j++) acc[i][j] = Step::madd(acc[i][j], x, w[j]);
+        for (int j = 0; j < 4 * NB; j++) acc[i][j] = Step::madd(acc[i][j], x, w[j]);
       }
     }
     for (int i = 0; i < MB; i++)
-      finish4(a, m0 + i, n0, reduce4_512(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      for (int b = 0; b < NB; b++)
+        finish4(a, m0 + i, n0 + 4 * b, reduce4_512(acc[i][4 * b], acc[i][4 * b + 1], acc[i][4 * b + 2], acc[i][4 * b + 3]));
   }
-  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0) {
+  static constexpr int WIDE = 2;
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
+    if (nb == 2) return block<1, 2>(a, m0, n0);  // one activation row: 8 weight rows
     switch (mb) {
       case 1: block<1>(a, m0, n0); break;
       case 2: block<2>(a, m0, n0); break;
@@ -291,7 +302,7 @@ void run_dequantized(const Lin& a) {
         c.n_base = n0;
         for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
           const int mb = (int)((p0 + rows - m0) / (n_mb - i));
-          Kernel512<Bf16Step<W_BF16>>::rows(c, m0, mb, n0);
+          Kernel512<Bf16Step<W_BF16>>::rows(c, m0, mb, n0, 1);
           m0 += mb;
         }
       }
@@ -386,7 +397,8 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
     }
     for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, reduce4_256(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
   }
-  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0) {
+  static constexpr int WIDE = 1;  // 8 weight rows at one activation row were slower here (AVX2 build on Intel)
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
     if (mb == 1) block<1>(a, m0, n0);
     else block<2>(a, m0, n0);
   }
@@ -490,7 +502,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     TORCH_CHECK(bs.numel() == N, "eagle_fast::linear: bias must be (N,)");
     a.bias = bs.data_ptr<float>();
   }
-  if (M > 1)  // the bytes of 4 rows x 32 columns (int4: 4 rows x 16 bytes), in 64-byte lines
+  if (M > 1 || !amd_cpu())  // the bytes of 4 rows x 32 columns (int4: 4 rows x 16 bytes), in 64-byte lines
     a.ahead_lines = std::max<int64_t>(1, 4 * a.block_bytes / (wt == W_I4 ? 2 : 1) / 64);
   at::Tensor out = at::empty({M, N}, x.options());
   a.out = out.data_ptr();

@@ -33,14 +33,15 @@ def packed_weight(kind, N=64, K=256, G=64, seed=0):
 ACT_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
+@pytest.mark.parametrize("N", [64, 68])  # 68: an odd number of 4-row blocks (a one-row call takes 8 rows a time)
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
-def test_linear_matches_reference_and_rows_are_independent(kind):
-    packed, scales, offsets, dense = packed_weight(kind)
-    bias = torch.randn(64)
+def test_linear_matches_reference_and_rows_are_independent(kind, N):
+    packed, scales, offsets, dense = packed_weight(kind, N=N)
+    bias = torch.randn(N)
     x = torch.randn(70, 256).to(ACT_DTYPE[kind])  # 70: past a 64-row panel
     y = kernels.linear(x, packed, bias, scales, offsets)
     ref = kernels.linear_reference(x, packed, bias, scales, offsets)
-    assert y.shape == (70, 64) and y.dtype == x.dtype
+    assert y.shape == (70, N) and y.dtype == x.dtype
     # the reference is F.linear over the dense weight: a wrong block layout or nibble order is off by ~100%
     assert torch.allclose(ref.float(), (F.linear(x.float(), dense) + bias).to(x.dtype).float(), rtol=1e-2, atol=1e-2)
     tol = 1e-5 if kind == "float32" else 2e-2  # bf16 outputs (and BF16 dot products) round at ~3 digits
