@@ -13,8 +13,10 @@ the one-token decode step that would have computed it, in bf16, int8 and int4 as
 greedy EAGLE output equal plain decoding token for token in every precision.
 
 Three builds of the same loops, chosen at run time from what the CPU has: AVX-512 with BF16 dot products (Zen 4,
-Sapphire Rapids), AVX-512F, and AVX2 + FMA (most desktop CPUs). EAGLE_KERNELS=avx2 or avx512 forces a lower one
-(tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
+Sapphire Rapids), AVX-512F, and AVX2 + FMA (most desktop CPUs); and where the CPU has AMX tiles (Xeons from Sapphire
+Rapids on), bf16 weights go through the tiles, which make 16 rows cost about what one does (the tiles sum in their
+own order, so there every bf16 linear takes them, whatever M is). EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
+a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
 pure-PyTorch fallback runs: each row on its own through F.linear, so its rows too are the same whatever M is.
@@ -44,10 +46,20 @@ CPP = r"""
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
-enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512BF16 = 3 };
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512BF16 = 3, AMX = 4 };
+
+// AMX-BF16 tiles (Sapphire Rapids and later Xeons), and Linux's leave for this process to use their state
+bool amx_usable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
 
 int detect_isa() {
   __builtin_cpu_init();
@@ -58,6 +70,7 @@ int detect_isa() {
     isa = AVX512;
   if (isa == AVX512 && __builtin_cpu_supports("avx512bf16")) isa = AVX512BF16;
   const char* want = std::getenv("EAGLE_KERNELS");
+  if (isa == AVX512BF16 && !(want && !std::strcmp(want, "avx512_bf16")) && amx_usable()) isa = AMX;
   if (want && !std::strcmp(want, "avx2") && isa > AVX2) isa = AVX2;
   if (want && !std::strcmp(want, "avx512") && isa > AVX512) isa = AVX512;
   return isa;
@@ -310,6 +323,89 @@ void run_dequantized(const Lin& a) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------ AMX
+// AMX multiplies tiles: C (rows x cols fp32) += A (rows x 16 pairs of bf16) . B (16 pairs x cols), each C element
+// summed over its own row of A and column of B only. A block of 4 weight rows is A as it is packed (4 rows of 32
+// columns, 64 bytes apart); the activations are B: for each 32 columns, 16 rows (one per column pair) of up to 16
+// activation rows' pairs. So C is the block's outputs transposed, 4 x M, and each output is computed by the same
+// instructions whatever M is. One tile instruction does the work of 4 x M vector dot products: verifying 16 tokens
+// costs about what one does (the weights' reading), where the vector units made it compute-bound.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles: 0 activations (B), 1-2 weight blocks (A), 3-4 outputs (C), for cols activation rows
+inline void configure_tiles(int cols) {
+  TileConfig c;
+  c.rows[0] = 16, c.colsb[0] = 4 * cols;
+  for (int t = 1; t <= 2; t++) c.rows[t] = 4, c.colsb[t] = 64;
+  for (int t = 3; t <= 4; t++) c.rows[t] = 4, c.colsb[t] = 4 * cols;
+  _tile_loadconfig(&c);
+}
+
+// the activations as B tiles, cols rows a panel: (panels, K/32, 16 pairs, cols) 32-bit pairs, zeros past row M
+// (a padded column is computed and thrown away: no output depends on another one)
+std::vector<uint32_t> pair_layout(const Lin& a, int cols) {
+  const int64_t KB = a.K / 32, panels = (a.M + cols - 1) / cols;
+  std::vector<uint32_t> xt(panels * KB * 16 * cols, 0);
+  for (int64_t m = 0; m < a.M; m++) {
+    const uint32_t* row = (const uint32_t*)(a.xb + m * a.K);
+    uint32_t* panel = xt.data() + (m / cols) * KB * 16 * cols + m % cols;
+    for (int64_t i = 0; i < 16 * KB; i++) panel[i * cols] = row[i];
+  }
+  return xt;
+}
+
+// weight rows n0..n0+4*NB-1 x every activation row, a panel of cols at a time (the tiles configured for cols)
+template <int NB>
+inline void amx_blocks(const Lin& a, const uint32_t* xt, int cols, int64_t n0) {
+  const int64_t KB = a.K / 32;
+  for (int64_t m0 = 0; m0 < a.M; m0 += cols, xt += KB * 16 * cols) {
+    _tile_zero(3);
+    if (NB == 2) _tile_zero(4);
+    for (int64_t kb = 0; kb < KB; kb++) {
+      if (a.ahead_lines && m0 == 0)
+        for (int b = 0; b < NB; b++) prefetch_ahead(a, n0 + 4 * b, kb);
+      _tile_loadd(0, xt + kb * 16 * cols, 4 * cols);
+      _tile_loadd(1, a.row(n0, kb), 64);
+      _tile_dpbf16ps(3, 1, 0);
+      if (NB == 2) {
+        _tile_loadd(2, a.row(n0 + 4, kb), 64);
+        _tile_dpbf16ps(4, 2, 0);
+      }
+    }
+    float c[2][4][16];
+    _tile_stored(3, c[0], 64);
+    if (NB == 2) _tile_stored(4, c[1], 64);
+    const int mp = (int)std::min<int64_t>(cols, a.M - m0);
+    for (int b = 0; b < NB; b++)
+      for (int m = 0; m < mp; m++)
+        finish4(a, m0 + m, n0 + 4 * b, _mm_setr_ps(c[b][0][m], c[b][1][m], c[b][2][m], c[b][3][m]));
+  }
+}
+
+// bf16 weights: blocks of 8 weight rows (4 where the count is odd) meet every activation row
+void run_amx(const Lin& a) {
+  const int64_t blocks = a.N / 4, nb = blocks % 2 == 0 ? 2 : 1;
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(a.K, 1) / nb);
+  const int cols = (int)std::min<int64_t>(16, a.M);
+  const std::vector<uint32_t> xt = pair_layout(a, cols);
+  at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
+    configure_tiles(cols);
+    for (int64_t b = b0; b < b1; b++) {
+      if (nb == 2) amx_blocks<2>(a, xt.data(), cols, 8 * b);
+      else amx_blocks<1>(a, xt.data(), cols, 4 * b);
+    }
+    _tile_release();
+  });
+}
+#pragma GCC pop_options
+
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -508,13 +604,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.out = out.data_ptr();
   if (M == 0) return out;
   at::Tensor xb, xf;
-  if (level == AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32) {  // BF16 dot products
+  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32) {  // BF16 dot products
     xb = x.contiguous();
     if (wt == W_I4) {  // x in the nibbles' order: each 32 columns as evens, then odds
       xb = xb.clone();
       permute_for_int4((uint16_t*)xb.data_ptr(), M, K, 32);
     }
     a.xb = (const uint16_t*)xb.data_ptr();
+    if (level == AMX && wt == W_BF16) {  // every M through the tiles: they sum in another order than the vectors
+      run_amx(a);
+      return out;
+    }
     // up to 6 rows (one activation block) the weights are converted in registers, more rows read them converted
     // once into the block's buffer: the same bf16 values either way, so every row is the same whatever M is
     if (wt == W_BF16) run_linear<Kernel512<Bf16Step<W_BF16>>>(a, 6);
@@ -717,7 +817,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(level >= AVX2, "eagle_fast::attention: this CPU has no AVX2");
   at::Tensor kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
   at::Tensor outf = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  const bool dot = q.scalar_type() == at::kBFloat16 && level == AVX512BF16 && q.size(3) % 32 == 0;
+  const bool dot = q.scalar_type() == at::kBFloat16 && level >= AVX512BF16 && q.size(3) % 32 == 0;
   at::Tensor qc = dot ? q.contiguous() : q.to(at::kFloat).contiguous();
   const float* qf = dot ? nullptr : qc.data_ptr<float>();
   const uint16_t* qb = dot ? (const uint16_t*)qc.data_ptr() : nullptr;
@@ -741,7 +841,7 @@ TORCH_LIBRARY_IMPL(eagle_fast, CPU, m) {
 }
 """
 
-ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx"}
 _state = {"loaded": None, "why": None, "isa": 0}
 
 

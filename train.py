@@ -682,7 +682,7 @@ def fit(args):
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0, unit="step")
     t0, seen_tokens, log = time.perf_counter(), 0, []
     if args.bf16 is None:  # bf16 where the hardware has bf16 arithmetic; on AVX2-only CPUs it is several times slower
-        args.bf16 = "cuda" in args.device or kernels.isa() == "avx512_bf16"
+        args.bf16 = "cuda" in args.device or kernels.isa() in ("avx512_bf16", "amx")
     autocast = torch.autocast("cpu" if "cuda" not in args.device else "cuda", dtype=torch.bfloat16,
                               enabled=args.bf16)
     while step < total_steps:

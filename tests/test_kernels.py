@@ -127,9 +127,10 @@ def test_an_inference_call_runs_no_python():
 RANK = {"fallback": 0, **{name: level for level, name in kernels.ISA_NAMES.items()}}  # kernels.isa() names by level
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512_bf16"])
 def test_each_lower_instruction_set_passes_the_same_checks(isa):
-    """EAGLE_KERNELS=avx2 / avx512 runs the lower builds on this CPU (most users' CPUs have AVX2 only)."""
+    """EAGLE_KERNELS=avx2 / avx512 / avx512_bf16 runs the lower builds on this CPU (most users' CPUs have AVX2
+    only; avx512_bf16 is the vector build on a CPU with AMX tiles)."""
     if RANK[kernels.isa()] <= RANK[isa]:
         pytest.skip(f"this machine runs {kernels.isa()}: the default run covers it")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
