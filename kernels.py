@@ -50,12 +50,20 @@ CPP = r"""
 #include <sys/syscall.h>
 #include <unistd.h>
 
+// the AMX intrinsics came with GCC 11 and Clang 12; an older compiler builds everything else
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define EAGLE_AMX 1
+#else
+#define EAGLE_AMX 0
+#endif
+
 namespace {
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512BF16 = 3, AMX = 4 };
 
 // AMX-BF16 tiles (Sapphire Rapids and later Xeons), and Linux's leave for this process to use their state
 bool amx_usable() {
+  if (!EAGLE_AMX) return false;
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
   return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
@@ -330,6 +338,7 @@ void run_dequantized(const Lin& a) {
 // activation rows' pairs. So C is the block's outputs transposed, 4 x M, and each output is computed by the same
 // instructions whatever M is. One tile instruction does the work of 4 x M vector dot products: verifying 16 tokens
 // costs about what one does (the weights' reading), where the vector units made it compute-bound.
+#if EAGLE_AMX
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
@@ -412,6 +421,9 @@ void run_amx(const Lin& a) {
   }
 }
 #pragma GCC pop_options
+#else
+void run_amx(const Lin&) {}  // never called: amx_usable() is false
+#endif
 
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
 inline __m512 exp512(__m512 x) {
