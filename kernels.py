@@ -77,8 +77,9 @@ int detect_isa() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     isa = AVX512;
   if (isa == AVX512 && __builtin_cpu_supports("avx512bf16")) isa = AVX512BF16;
+  if (isa == AVX512BF16 && amx_usable()) isa = AMX;
   const char* want = std::getenv("EAGLE_KERNELS");
-  if (isa == AVX512BF16 && !(want && !std::strcmp(want, "avx512_bf16")) && amx_usable()) isa = AMX;
+  if (want && !std::strcmp(want, "avx512_bf16") && isa > AVX512BF16) isa = AVX512BF16;
   if (want && !std::strcmp(want, "avx2") && isa > AVX2) isa = AVX2;
   if (want && !std::strcmp(want, "avx512") && isa > AVX512) isa = AVX512;
   return isa;
