@@ -105,7 +105,7 @@ def guards_checked_once(calls_so_far: int):
 
 
 def cache_key() -> str:
-    return f"{torch.backends.cpu.get_cpu_capability().lower()}-{kernels.isa()}-torch{torch.__version__}"
+    return f"{torch.backends.cpu.get_cpu_capability().lower()}-{kernels.isa()}-ops{kernels.OPS_VERSION}-torch{torch.__version__}"
 
 
 def compile_steps(device="cpu", cpp_wrapper=False):

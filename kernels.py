@@ -25,7 +25,8 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale), or uint8
         int4 nibbles (N, K/2) with scales and offsets (N, K/G) (w = q * scale + offset); -> (M, N) in x's dtype
     torch.ops.eagle_fast.attention(q, k, v, mask)
-        q (H, T, D), k and v (n_kv, S, D) in q's dtype, mask (T, S) bool -> (H, T, D), softmax in fp32
+        q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
+        in q's dtype, laid out as (B, T, H, D); softmax in fp32
 """
 import os
 import sys
@@ -36,6 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify steps); prefill goes to SDPA
+# What the ops return (shapes, strides, dtypes): compiled graphs check it, so generate.py's compile cache is kept per
+# version, and a change to an op's output must bump it (a graph cached before the attention's output became
+# (B, T, H, D)-strided failed its stride assertion)
+OPS_VERSION = 2
 
 CPP = r"""
 #include <torch/library.h>
@@ -349,13 +354,20 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC does not see that ldtilecfg reads the whole 64 bytes and dropped some of the stores that fill them (a
+// garbage configuration, a fault): the empty asm tells it that the memory is read
+inline void load_tile_config(const TileConfig& c) {
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
 // tiles: 0 activations (B), 1-2 weight blocks (A), 3-4 outputs (C), for cols activation rows
 inline void configure_tiles(int cols) {
   TileConfig c;
   c.rows[0] = 16, c.colsb[0] = 4 * cols;
   for (int t = 1; t <= 2; t++) c.rows[t] = 4, c.colsb[t] = 64;
   for (int t = 3; t <= 4; t++) c.rows[t] = 4, c.colsb[t] = 4 * cols;
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // the activations as B tiles, cols rows a panel: (panels, K/32, 16 pairs, cols) 32-bit pairs, zeros past row M
@@ -674,9 +686,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 // ------------------------------------------------------------------------------------------------ attention
 
 // the cache slots a query row sees, in slot order: every step after this goes by a slot's rank in this list
+// (8 mask bytes a step: a causal row is a run of ones, then zeros to the end of the cache)
 inline int64_t visible_slots(const bool* mask, int64_t S, int64_t* slots) {
-  int64_t n = 0;
-  for (int64_t s = 0; s < S; s++)
+  int64_t n = 0, s = 0;
+  for (; s + 8 <= S; s += 8) {
+    uint64_t m;
+    std::memcpy(&m, mask + s, 8);
+    if (m == 0x0101010101010101ull) {
+      for (int j = 0; j < 8; j++) slots[n + j] = s + j;
+      n += 8;
+    } else if (m) {
+      for (int j = 0; j < 8; j++)
+        if (mask[s + j]) slots[n++] = s + j;
+    }
+  }
+  for (; s < S; s++)
     if (mask[s]) slots[n++] = s;
   return n;
 }
@@ -689,73 +713,104 @@ inline __m512 vload512(const E* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// the rest of a row once its n scores are in: softmax in fp32, then the weighted sum of the slots' V rows
+// One query row's scores against the n cache slots it sees (listed in slot order), four slots at a time: one tree
+// of shuffles sums four dot products (one horizontal sum each was most of the time), and the four accumulators
+// stay in registers (kept in an array, they went through memory: 1.1-1.2x slower). scores has room for n + 3;
+// past n the last slot is scored again and never read.
 template <typename E>
-void softmax_and_v512(const E* v, int64_t D, float* scores, const int64_t* slots, int64_t n, float* out) {
-  const float inv = n ? 1.0f / softmax_numerators512(scores, n) : 0.0f;
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 column chunks of 16 at a time
-    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
-    __m512 acc[2][4];
-    for (int h = 0; h < 2; h++)
-      for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i++) {
-      const int h = (int)(i & 1);
-      const __m512 p = _mm512_set1_ps(scores[i]);
-      const E* vr = v + slots[i] * D + d0;
-      for (int j = 0; j < 4; j++)
-        if (j < chunks) acc[h][j] = _mm512_fmadd_ps(p, vload512(vr + 16 * j), acc[h][j]);
+void scores512(const float* q, const E* k, int64_t D, float scale, const int64_t* slots, int64_t n, float* scores) {
+  for (int64_t i = 0; i < n; i += 4) {
+    const E *k0 = k + slots[i] * D, *k1 = k + slots[std::min(i + 1, n - 1)] * D,
+            *k2 = k + slots[std::min(i + 2, n - 1)] * D, *k3 = k + slots[std::min(i + 3, n - 1)] * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      a0 = _mm512_fmadd_ps(qd, vload512(k0 + d), a0);
+      a1 = _mm512_fmadd_ps(qd, vload512(k1 + d), a1);
+      a2 = _mm512_fmadd_ps(qd, vload512(k2 + d), a2);
+      a3 = _mm512_fmadd_ps(qd, vload512(k3 + d), a3);
     }
-    for (int j = 0; j < chunks; j++)
-      _mm512_storeu_ps(out + d0 + 16 * j, _mm512_mul_ps(_mm512_add_ps(acc[0][j], acc[1][j]), _mm512_set1_ps(inv)));
+    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_512(a0, a1, a2, a3), _mm_set1_ps(scale)));
   }
 }
 
-// One query row against the cache slots it sees, in slot order: scores, softmax in fp32, weighted sum of V. Every
-// step goes by a slot's rank among the visible ones, never by its index, so a tree row that sees slots 0..L-1, L+2
-// and L+5 computes exactly what the decode step computes once those two moved to L and L+1. Scores go four slots
-// at a time (one tree of shuffles sums four dot products; one horizontal sum each was most of the time), and V is
-// summed in two accumulators a column chunk (even and odd ranks): a single chain of dependent multiply-adds per
-// chunk waited on their latency. Tries: docs/performance.md.
-template <typename E>
-void attend_row512(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
-                   float* scores, int64_t* slots, float* out) {
-  const int64_t n = visible_slots(mask, S, slots);
-  for (int64_t i = 0; i < n; i += 4) {  // scores has room for n + 3
-    __m512 acc[4];
-    for (int j = 0; j < 4; j++) {
-      acc[j] = _mm512_setzero_ps();
-      if (i + j < n) {
-        const E* kr = k + slots[i + j] * D;
-        for (int64_t d = 0; d < D; d += 16) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), vload512(kr + d), acc[j]);
-      }
+// Softmax in fp32, then the weighted sums of the slots' V rows, for R query rows that see the same slots (the query
+// heads of one KV head at one position): each V row is loaded and converted once for the R rows, and each row's sum
+// is the one it gets alone. V is summed in two accumulators a 16-column chunk (even and odd ranks): one chain of
+// dependent multiply-adds a chunk waited on their latency.
+template <typename E, int R>
+void softmax_v512(const E* v, int64_t D, float* const* scores, const int64_t* slots, int64_t n, float* const* out) {
+  float inv[R];
+  for (int r = 0; r < R; r++) inv[r] = n ? 1.0f / softmax_numerators512(scores[r], n) : 0.0f;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 column chunks of 16 at a time
+    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
+    __m512 acc[R][2][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) acc[r][0][j] = acc[r][1][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 2) {
+      const bool odd = i + 1 < n;
+      const E* v0 = v + slots[i] * D + d0;
+      const E* v1 = v + slots[odd ? i + 1 : i] * D + d0;
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++)
+        if (j < chunks) {
+          const __m512 x0 = vload512(v0 + 16 * j), x1 = vload512(v1 + 16 * j);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; r++) {
+            acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][i]), x0, acc[r][0][j]);
+            if (odd) acc[r][1][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][i + 1]), x1, acc[r][1][j]);
+          }
+        }
     }
-    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+      for (int j = 0; j < chunks; j++)
+        _mm512_storeu_ps(out[r] + d0 + 16 * j, _mm512_mul_ps(_mm512_add_ps(acc[r][0][j], acc[r][1][j]), _mm512_set1_ps(inv[r])));
   }
-  softmax_and_v512(v, D, scores, slots, n, out);
 }
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 // bf16 K on a CPU with BF16 dot products: each score by dot products of bf16 pairs summed in fp32, one instruction a
-// 32 columns where attend_row512 converts and multiply-adds twice (q comes in bf16, so nothing new is rounded);
-// the same for every row whatever T is, as there
-void attend_row512bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const bool* mask, int64_t S, int64_t D,
-                       float scale, float* scores, int64_t* slots, float* out) {
-  const int64_t n = visible_slots(mask, S, slots);
+// 32 columns where scores512 converts and multiply-adds twice (q comes in bf16, so nothing new is rounded)
+void scores512bf16(const uint16_t* q, const uint16_t* k, int64_t D, float scale, const int64_t* slots, int64_t n,
+                   float* scores) {
   for (int64_t i = 0; i < n; i += 4) {
-    __m512 acc[4];
-    for (int j = 0; j < 4; j++) {
-      acc[j] = _mm512_setzero_ps();
-      if (i + j < n) {
-        const uint16_t* kr = k + slots[i + j] * D;
-        for (int64_t d = 0; d < D; d += 32)
-          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(kr + d));
-      }
+    const uint16_t *k0 = k + slots[i] * D, *k1 = k + slots[std::min(i + 1, n - 1)] * D,
+                   *k2 = k + slots[std::min(i + 2, n - 1)] * D, *k3 = k + slots[std::min(i + 3, n - 1)] * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
+      a0 = _mm512_dpbf16_ps(a0, qd, (__m512bh)_mm512_loadu_si512(k0 + d));
+      a1 = _mm512_dpbf16_ps(a1, qd, (__m512bh)_mm512_loadu_si512(k1 + d));
+      a2 = _mm512_dpbf16_ps(a2, qd, (__m512bh)_mm512_loadu_si512(k2 + d));
+      a3 = _mm512_dpbf16_ps(a3, qd, (__m512bh)_mm512_loadu_si512(k3 + d));
     }
-    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_512(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_512(a0, a1, a2, a3), _mm_set1_ps(scale)));
   }
-  softmax_and_v512(v, D, scores, slots, n, out);
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+// R query rows (heads of one KV head, qstride apart in q and out) against the cache slots their one mask row holds,
+// in slot order: scores, softmax in fp32, weighted sum of V. Every step goes by a slot's rank among the visible
+// ones, never by its index, so a tree row that sees slots 0..L-1, L+2 and L+5 computes exactly what the decode step
+// computes once those two moved to L and L+1; and each row the same whatever R is. Tries: docs/performance.md.
+template <typename E, int R>
+void attend_rows512(const float* q, const uint16_t* qb, int64_t qstride, const E* k, const E* v, const bool* mask,
+                    int64_t S, int64_t D, float scale, float* scores, int64_t* slots, float* out) {
+  const int64_t n = visible_slots(mask, S, slots);
+  float* sc[R];
+  float* o[R];
+  for (int r = 0; r < R; r++) sc[r] = scores + r * (S + 4), o[r] = out + r * D;
+  for (int r = 0; r < R; r++)
+    if (qb) scores512bf16(qb + r * qstride, (const uint16_t*)k, D, scale, slots, n, sc[r]);
+    else scores512<E>(q + r * qstride, k, D, scale, slots, n, sc[r]);
+  softmax_v512<E, R>(v, D, sc, slots, n, o);
 }
 #pragma GCC pop_options
 
@@ -767,67 +822,132 @@ inline __m256 vload256(const E* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-template <typename E>
-void attend_row256(const float* q, const E* k, const E* v, const bool* mask, int64_t S, int64_t D, float scale,
-                   float* scores, int64_t* slots, float* out) {  // as attend_row512, 8 columns a vector
+// as attend_rows512, 8 columns a vector; 16 registers, so R rows take 64 / R columns of V at a time (8 / R
+// accumulators each, the V rows' pieces shared): a column's sum is the same whatever the pass
+template <typename E, int R>
+void attend_rows256(const float* q, int64_t qstride, const E* k, const E* v, const bool* mask, int64_t S, int64_t D,
+                    float scale, float* scores, int64_t* slots, float* out) {
+  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;  // 8-column chunks a pass
   const int64_t n = visible_slots(mask, S, slots);
-  for (int64_t i = 0; i < n; i += 4) {
-    __m256 acc[4];
-    for (int j = 0; j < 4; j++) {
-      acc[j] = _mm256_setzero_ps();
-      if (i + j < n) {
-        const E* kr = k + slots[i + j] * D;
-        for (int64_t d = 0; d < D; d += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), vload256(kr + d), acc[j]);
+  float inv[R];
+  for (int r = 0; r < R; r++) {
+    const float* qr = q + r * qstride;
+    float* sc = scores + r * (S + 4);
+    for (int64_t i = 0; i < n; i += 4) {
+      const E *k0 = k + slots[i] * D, *k1 = k + slots[std::min(i + 1, n - 1)] * D,
+              *k2 = k + slots[std::min(i + 2, n - 1)] * D, *k3 = k + slots[std::min(i + 3, n - 1)] * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(qr + d);
+        a0 = _mm256_fmadd_ps(qd, vload256(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qd, vload256(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qd, vload256(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qd, vload256(k3 + d), a3);
       }
+      _mm_storeu_ps(sc + i, _mm_mul_ps(reduce4_256(a0, a1, a2, a3), _mm_set1_ps(scale)));
     }
-    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_256(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+    inv[r] = n ? 1.0f / softmax_numerators256(sc, n) : 0.0f;
   }
-  const float inv = n ? 1.0f / softmax_numerators256(scores, n) : 0.0f;
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 column chunks of 8 at a time (16 registers: one accumulator each)
-    const int64_t chunks = std::min<int64_t>(8, (D - d0) / 8);
-    __m256 acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
+    const int64_t chunks = std::min<int64_t>(C, (D - d0) / 8);
+    __m256 acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+      for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
-      const __m256 p = _mm256_set1_ps(scores[i]);
       const E* vr = v + slots[i] * D + d0;
-      for (int j = 0; j < 8; j++)
-        if (j < chunks) acc[j] = _mm256_fmadd_ps(p, vload256(vr + 8 * j), acc[j]);
+#pragma GCC unroll 8
+      for (int j = 0; j < C; j++)
+        if (j < chunks) {
+          const __m256 x = vload256(vr + 8 * j);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; r++)
+            acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * (S + 4) + i]), x, acc[r][j]);
+        }
     }
-    for (int j = 0; j < chunks; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+      for (int j = 0; j < chunks; j++)
+        _mm256_storeu_ps(out + r * D + d0 + 8 * j, _mm256_mul_ps(acc[r][j], _mm256_set1_ps(inv[r])));
   }
 }
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// an output row from fp32 to bf16, rounded to nearest even as torch's .to() rounds (NaN to its quiet NaN)
+void store_bf16(const float* x, uint16_t* y, int64_t D) {
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 f = _mm256_loadu_ps(x + d);
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // the 8 halves, in order, in the low 128 bits
+    _mm_storeu_si128((__m128i*)(y + d), _mm256_castsi256_si128(r));
+  }
+}
+#pragma GCC pop_options
+
+// Work items are query rows, or where there are enough of them to keep every thread busy, the R = 2 or 3 query
+// heads of one KV head at one position together (their mask row and slots are one; V is read once for them).
+// q is read where it lies (any strides, D contiguous) and each output row written in q's dtype where out puts it:
+// a copy of q, a conversion of the output and their dispatch cost more than the kernel at T = 5 (~30 us a layer).
 template <typename E>
-void attention_impl(const float* q, const uint16_t* qb, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& mask, at::Tensor& outf, int level) {  // q in fp32, or qb in bf16 (BF16 dot products)
-  const int64_t B = outf.size(0), H = outf.size(1), T = outf.size(2), D = outf.size(3), n_kv = k.size(1), S = k.size(2);
+void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                    at::Tensor& out, int level, bool dot) {  // dot: bf16 scores by BF16 dot products
+  const int64_t B = out.size(0), H = out.size(1), T = out.size(2), D = out.size(3), n_kv = k.size(1), S = k.size(2);
   const int64_t group = H / n_kv, mask_batch = mask.size(0);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
   const float scale = 1.0f / std::sqrt((float)D);
+  const E* qp = (const E*)q.data_ptr();
   const E* kp = (const E*)k.data_ptr();
   const E* vp = (const E*)v.data_ptr();
   const bool* mp = mask.data_ptr<bool>();
-  float* o = outf.data_ptr<float>();
-  at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(S + 4);  // scores are written four at a time
+  E* op = (E*)out.data_ptr();
+  int64_t R = 1;
+  if (B * n_kv * T >= 4 * at::get_num_threads()) R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+  at::parallel_for(0, B * H * T / R, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(R * (S + 4));  // scores are written four at a time
     std::vector<int64_t> slots(S);
-    for (int64_t r = r0; r < r1; r++) {  // r = (b * H + h) * T + t
-      const int64_t t = r % T, h = (r / T) % H, b = r / (T * H);
+    std::vector<float> qbuf(R * D), obuf(R * D);  // q rows in fp32 (bf16 q without dot products), outputs
+    for (int64_t i = i0; i < i1; i++) {  // i = ((b * n_kv + kv) * (group / R) + pass) * T + t
+      const int64_t t = i % T, h = (i / T) % (H / R) * R, b = i / (T * (H / R));  // heads h..h+R-1 at position t
+      const E* qr = qp + b * qs0 + h * qs1 + t * qs2;
       const int64_t kv = (b * n_kv + h / group) * S * D;
       const bool* row_mask = mp + ((mask_batch > 1 ? b : 0) * T + t) * S;
-      if (qb)
-        attend_row512bf16(qb + r * D, (const uint16_t*)kp + kv, (const uint16_t*)vp + kv, row_mask, S, D, scale,
-                          scores.data(), slots.data(), o + r * D);
-      else if (level >= AVX512)
-        attend_row512<E>(q + r * D, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), o + r * D);
-      else
-        attend_row256<E>(q + r * D, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), o + r * D);
+      const float* qf = (const float*)qr;
+      int64_t qstride = qs1;
+      if (sizeof(E) == 2 && !dot) {  // bf16 to fp32 is exact: the rows' scores as from a converted copy
+        for (int64_t r = 0; r < R; r++)
+          for (int64_t d = 0; d < D; d++) {
+            const uint32_t bits = (uint32_t)((const uint16_t*)qr)[r * qs1 + d] << 16;
+            std::memcpy(&qbuf[r * D + d], &bits, 4);
+          }
+        qf = qbuf.data(), qstride = D;
+      }
+      if (level >= AVX512) {
+        auto run = R == 3 ? attend_rows512<E, 3> : R == 2 ? attend_rows512<E, 2> : attend_rows512<E, 1>;
+        run(dot ? nullptr : qf, dot ? (const uint16_t*)qr : nullptr, qstride, kp + kv, vp + kv, row_mask, S, D, scale,
+            scores.data(), slots.data(), obuf.data());
+      } else {
+        auto run = R == 3 ? attend_rows256<E, 3> : R == 2 ? attend_rows256<E, 2> : attend_rows256<E, 1>;
+        run(qf, qstride, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), obuf.data());
+      }
+      for (int64_t r = 0; r < R; r++) {
+        E* dst = op + b * os0 + (h + r) * os1 + t * os2;
+        if (sizeof(E) == 4) std::memcpy(dst, &obuf[r * D], D * 4);
+        else store_bf16(&obuf[r * D], (uint16_t*)dst, D);
+      }
     }
   });
 }
 
 // q (B, H, T, D), k and v (B, n_kv, S, D), mask (1 or B, T, S): every query row attends to the slots its mask row
-// holds, in slot order, softmax in fp32; a row that sees no slot gets zeros
+// holds, in slot order, softmax in fp32; a row that sees no slot gets zeros. The output is (B, H, T, D) laid out
+// as (B, T, H, D), so that the model's transpose back to (B, T, H * D) is a view.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "eagle_fast::attention: bad ranks");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "eagle_fast::attention: dtypes differ");
@@ -838,15 +958,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               q.size(3) % 16 == 0, "eagle_fast::attention: shapes do not match");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::attention: this CPU has no AVX2");
+  at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   at::Tensor kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
-  at::Tensor outf = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const int64_t H = q.size(1), T = q.size(2), D = q.size(3);
+  at::Tensor out = at::empty_strided(q.sizes(), {T * H * D, D, H * D, 1}, q.options());  // (B, T, H, D) in memory
   const bool dot = q.scalar_type() == at::kBFloat16 && level >= AVX512BF16 && q.size(3) % 32 == 0;
-  at::Tensor qc = dot ? q.contiguous() : q.to(at::kFloat).contiguous();
-  const float* qf = dot ? nullptr : qc.data_ptr<float>();
-  const uint16_t* qb = dot ? (const uint16_t*)qc.data_ptr() : nullptr;
-  if (q.scalar_type() == at::kFloat) attention_impl<float>(qf, qb, kc, vc, mc, outf, level);
-  else attention_impl<uint16_t>(qf, qb, kc, vc, mc, outf, level);
-  return outf.to(q.scalar_type());
+  if (q.scalar_type() == at::kFloat) attention_impl<float>(qc, kc, vc, mc, out, level, dot);
+  else attention_impl<uint16_t>(qc, kc, vc, mc, out, level, dot);
+  return out;
 }
 
 }  // namespace
@@ -899,8 +1018,8 @@ def load() -> bool:
         return x.new_empty(x.shape[0], 4 * w.shape[0])
 
     @torch.library.register_fake("eagle_fast::attention")
-    def _(q, k, v, mask):
-        return q.new_empty(q.shape)  # contiguous, like the kernel's output
+    def _(q, k, v, mask):  # (B, H, T, D) laid out as (B, T, H, D), like the kernel's output
+        return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
     _state["loaded"] = True
     return True

@@ -53,12 +53,15 @@ def test_linear_matches_reference_and_rows_are_independent(kind, N):
         assert torch.equal(kernels.linear(x[M - 1:M + 3], packed, bias, scales, offsets), y[M - 1:M + 3]), M
 
 
-def test_attention_matches_reference_and_rows_are_independent():
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 2), (3, 3)])
+def test_attention_matches_reference_and_rows_are_independent(heads, kv_heads):
+    """Many query rows go 3 or 2 heads of a KV head at a time (V read once for them), one row alone: each row the
+    same either way, whatever T is."""
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         T = kernels.MAX_M
-        q = torch.randn(1, 6, T, 64, generator=g).to(dtype)
-        k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(1, heads, T, 64, generator=g).to(dtype)
+        k, v = (torch.randn(1, kv_heads, 40, 64, generator=g).to(dtype) for _ in range(2))
         mask = torch.rand(1, T, 40, generator=g) < 0.7
         mask[..., 0] = True
         y = kernels.attention(q, k, v, mask)
@@ -66,6 +69,23 @@ def test_attention_matches_reference_and_rows_are_independent():
         assert (y.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
         for t in (0, 1, 4, T - 1):
             assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1])
+
+
+def test_the_compiled_graphs_see_what_the_ops_return():
+    """torch.compile plans with the ops' fake kernels: shapes, strides and dtypes must be the real ones (the
+    attention writes (B, H, T, D) laid out as (B, T, H, D), a transposed q is read where it lies)."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 5, 6, 64, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, D) as the model makes it
+        k, v = (torch.randn(1, 2, 24, 64, generator=g).to(dtype) for _ in range(2))
+        mask = torch.rand(1, 5, 24, generator=g) < 0.8
+        torch.library.opcheck(torch.ops.eagle_fast.attention.default, (q, k, v, mask),
+                              test_utils=("test_schema", "test_faketensor"))
+        assert torch.equal(kernels.attention(q, k, v, mask), kernels.attention(q.contiguous(), k, v, mask))
+        packed, scales, offsets, _ = packed_weight(str(dtype)[6:], N=64, K=64)
+        x = torch.randn(3, 64, generator=g).to(dtype)
+        torch.library.opcheck(torch.ops.eagle_fast.linear.default, (x, packed, scales, offsets, None),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_a_tree_row_equals_the_decode_row_over_the_compacted_cache():
