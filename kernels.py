@@ -796,7 +796,7 @@ void scores512bf16(const uint16_t* q, const uint16_t* k, int64_t D, float scale,
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-// R query rows (heads of one KV head, qstride apart in q and out) against the cache slots their one mask row holds,
+// R query rows (heads of one KV head, qstride apart in q; D apart in out) against the cache slots their one mask row holds,
 // in slot order: scores, softmax in fp32, weighted sum of V. Every step goes by a slot's rank among the visible
 // ones, never by its index, so a tree row that sees slots 0..L-1, L+2 and L+5 computes exactly what the decode step
 // computes once those two moved to L and L+1; and each row the same whatever R is. Tries: docs/performance.md.
@@ -806,10 +806,11 @@ void attend_rows512(const float* q, const uint16_t* qb, int64_t qstride, const E
   const int64_t n = visible_slots(mask, S, slots);
   float* sc[R];
   float* o[R];
-  for (int r = 0; r < R; r++) sc[r] = scores + r * (S + 4), o[r] = out + r * D;
-  for (int r = 0; r < R; r++)
+  for (int r = 0; r < R; r++) {
+    sc[r] = scores + r * (S + 4), o[r] = out + r * D;
     if (qb) scores512bf16(qb + r * qstride, (const uint16_t*)k, D, scale, slots, n, sc[r]);
     else scores512<E>(q + r * qstride, k, D, scale, slots, n, sc[r]);
+  }
   softmax_v512<E, R>(v, D, sc, slots, n, o);
 }
 #pragma GCC pop_options
@@ -822,6 +823,24 @@ inline __m256 vload256(const E* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+// as scores512, 8 columns a vector
+template <typename E>
+void scores256(const float* q, const E* k, int64_t D, float scale, const int64_t* slots, int64_t n, float* scores) {
+  for (int64_t i = 0; i < n; i += 4) {
+    const E *k0 = k + slots[i] * D, *k1 = k + slots[std::min(i + 1, n - 1)] * D,
+            *k2 = k + slots[std::min(i + 2, n - 1)] * D, *k3 = k + slots[std::min(i + 3, n - 1)] * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qd, vload256(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qd, vload256(k1 + d), a1);
+      a2 = _mm256_fmadd_ps(qd, vload256(k2 + d), a2);
+      a3 = _mm256_fmadd_ps(qd, vload256(k3 + d), a3);
+    }
+    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_256(a0, a1, a2, a3), _mm_set1_ps(scale)));
+  }
+}
+
 // as attend_rows512, 8 columns a vector; 16 registers, so R rows take 64 / R columns of V at a time (8 / R
 // accumulators each, the V rows' pieces shared): a column's sum is the same whatever the pass
 template <typename E, int R>
@@ -831,22 +850,8 @@ void attend_rows256(const float* q, int64_t qstride, const E* k, const E* v, con
   const int64_t n = visible_slots(mask, S, slots);
   float inv[R];
   for (int r = 0; r < R; r++) {
-    const float* qr = q + r * qstride;
-    float* sc = scores + r * (S + 4);
-    for (int64_t i = 0; i < n; i += 4) {
-      const E *k0 = k + slots[i] * D, *k1 = k + slots[std::min(i + 1, n - 1)] * D,
-              *k2 = k + slots[std::min(i + 2, n - 1)] * D, *k3 = k + slots[std::min(i + 3, n - 1)] * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(qr + d);
-        a0 = _mm256_fmadd_ps(qd, vload256(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qd, vload256(k1 + d), a1);
-        a2 = _mm256_fmadd_ps(qd, vload256(k2 + d), a2);
-        a3 = _mm256_fmadd_ps(qd, vload256(k3 + d), a3);
-      }
-      _mm_storeu_ps(sc + i, _mm_mul_ps(reduce4_256(a0, a1, a2, a3), _mm_set1_ps(scale)));
-    }
-    inv[r] = n ? 1.0f / softmax_numerators256(sc, n) : 0.0f;
+    scores256<E>(q + r * qstride, k, D, scale, slots, n, scores + r * (S + 4));
+    inv[r] = n ? 1.0f / softmax_numerators256(scores + r * (S + 4), n) : 0.0f;
   }
   for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
     const int64_t chunks = std::min<int64_t>(C, (D - d0) / 8);
