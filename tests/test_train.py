@@ -782,6 +782,33 @@ def test_eagle3_loss_falls_and_fit_writes_a_loadable_head(tmp_path):
     assert isinstance(loaded, Eagle3Head) and torch.equal(loaded.d2t, head.d2t)
 
 
+def test_eagle3_loss_scores_each_step_at_the_right_positions():
+    """The training-time test's loss takes only the scored positions through the LM head; it must equal the loss
+    written over every position: step k's output at pair t against the target's distribution at t + k, masked."""
+    import argparse
+    import torch.nn.functional as F
+    target = make_tiny_model(n_layer=4)
+    seqs = [eagle3_sequence(target, n=20 + 3 * s, seed=s) for s in range(4)]
+    head, trainer = train.eagle3_setup(target, seqs, argparse.Namespace(draft_vocab=64, device="cpu", ttt_steps=3))
+    head.setup_caches(64)
+    with torch.no_grad():  # a head that agrees with the target sometimes, so the hit counts are not all zero
+        head.lm_head.weight.copy_(trainer.target_rows)
+    tokens, fused, finals, top1, mask = train.make_batch3(seqs)
+    loss, counts, correct = trainer(tokens, fused, finals, top1, mask)
+    with torch.no_grad():
+        target_p = torch.softmax(finals @ trainer.target_rows.t(), -1)  # (B, T, V_d)
+        mask = mask * trainer.in_vocab[top1].float()
+        want_loss, want_correct = 0.0, []
+        for k, out in enumerate(trainer.unroll(tokens, fused)):
+            logp = F.log_softmax(head.draft_logits(out), -1)
+            m, p = train.shift(mask, k), train.shift(target_p, k)
+            assert counts[k] == m.sum()
+            want_loss += 0.8 ** k * (-(p * logp).sum(-1) * m).sum() / m.sum()
+            want_correct.append(((logp.argmax(-1) == p.argmax(-1)).float() * m).sum())
+    assert torch.allclose(loss, want_loss, rtol=1e-5)
+    assert torch.equal(correct, torch.stack(want_correct)) and correct.sum() > 0
+
+
 def test_fit_eagle3_needs_fused_features(tiny_run, tmp_path, capsys):
     out = fresh_run(tiny_run, tmp_path, "e3")
     code, err = exit_code_and_stderr(["fit", "--out", str(out), "--kind", "eagle3"], capsys)
