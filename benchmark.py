@@ -194,10 +194,12 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
             runners[spec] = (hf_runner(hf, name == "hf-lookup", stop_ids), model_size_bytes(models[weights]))
         else:
             drafter = drafters.get(spec)
-            head_bytes = 0 if drafter is None else sum(  # fc and the decoder layer; embedding and LM head are shared
-                p.numel() * p.element_size() for n, p in drafter.head.named_parameters() if n.startswith(("fc", "layer")))
-            if drafter is not None and drafter.head._draft_weight is not None:  # the reduced draft LM head
-                head_bytes += drafter.head._draft_weight.numel() * drafter.head._draft_weight.element_size()
+            # the head's own weights (an EAGLE-3 head's LM head among them; the embedding is the target's) and an
+            # EAGLE-1/2 head's copy of the target's LM-head rows for its draft vocabulary
+            head_bytes = 0 if drafter is None else sum(p.numel() * p.element_size() for p in drafter.head.parameters())
+            draft_rows = None if drafter is None else getattr(drafter.head, "_draft_weight", None)
+            if draft_rows is not None:
+                head_bytes += draft_rows.numel() * draft_rows.element_size()
             runners[spec] = (our_runner(models[weights], drafter, cache, stop_ids, args.device),
                              model_size_bytes(models[weights]) + head_bytes)
     return runners

@@ -63,6 +63,28 @@ def test_benchmark_end_to_end_exact_in_float32(tmp_path, capsys, default_checkpo
     assert "| eagle-dynamic | float32 |" in capsys.readouterr().out
 
 
+def test_benchmark_runs_an_eagle3_head(tmp_path, capsys, real_model):
+    """benchmark.py --draft with an EAGLE-3 head (its own LM head, no slice of the target's): exact, and its weights
+    counted in the method's size."""
+    from eagle_head import Eagle3Head, default_feature_layers, head_config_from_target, save_head
+    from train import target_info
+    c = real_model.config
+    torch.manual_seed(0)
+    head = Eagle3Head(head_config_from_target(c), c.dim, default_feature_layers(c.n_layer), 512)
+    save_head(head, tmp_path / "e3", target_info(real_model))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "turns": ["Name three colours."]}) + "\n")
+    out = tmp_path / "r.json"
+    code = benchmark.main(["--prompts", str(prompts), "--max_new_tokens", "8", "--no_compile", "--dtype", "float32",
+                           "--methods", "plain,eagle-dynamic", "--draft", str(tmp_path / "e3"), "--out", str(out)])
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["mismatches"] == [] and r["methods"]["eagle-dynamic@float32"]["equal_to_reference"] == 1
+    own = sum(p.numel() for p in head.parameters()) * 4
+    extra = r["methods"]["eagle-dynamic@float32"]["weights_bytes"] - r["methods"]["plain@float32"]["weights_bytes"]
+    assert own <= extra < 1.1 * own
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "plain,fast"], "unknown method"),
     (["--max_new_tokens", "0"], "--max_new_tokens"),
