@@ -326,24 +326,47 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
 
 # ---------------------------------------------------------------- training
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+                      "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def map_shard(path: Path) -> dict:
+    """A safetensors file's tensors as views of one copy-on-write memory map of it. Pages come from disk when
+    training touches them and the kernel may drop them again, so a run's features need not fit in memory (188
+    fused shards are 14 GB; reading them in filled a 24 GB machine)."""
+    import mmap
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        data = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)[8 + header_len:]
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = data[begin:end]
+        if begin % SAFETENSORS_DTYPES[info["dtype"]].itemsize:  # the format aligns tensors; a file that does not: copy
+            raw = raw.clone()
+        tensors[name] = raw.view(SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
+    return tensors
+
+
 def load_features(out: Path, fused: bool = True):
     """All shards -> list of (tokens, features, loss_mask[, fused, top1]) per sequence, split into train and
-    validation. fused=False leaves out the EAGLE-3 features (three quarters of a --fused shard's bytes), which an
-    EAGLE-1/2 run never reads."""
-    from safetensors import safe_open
+    validation. The features stay in the shards' memory maps (map_shard). fused=False leaves out the EAGLE-3
+    features (three quarters of a --fused shard's bytes), which an EAGLE-1/2 run never reads."""
     train, val = [], []
     files = sorted((out / "features").glob("*shard_*.safetensors"))  # every pass's shards (--shard_prefix)
     if not files:
         raise FileNotFoundError(f"no feature shards in {out / 'features'}: run `python train.py extract` first")
     for f in files:
-        with safe_open(str(f), "pt") as shard:
-            keys = ["tokens", "features", "loss_mask", "offsets", "split"]
-            keys += ["fused", "top1"] if fused and "fused" in shard.keys() else []
-            s = {k: shard.get_tensor(k) for k in keys}
+        s = map_shard(f)
+        if not fused:
+            s.pop("fused", None)
         o = s["offsets"].tolist()
         for j in range(len(o) - 1):
             cut = slice(o[j], o[j + 1])
-            seq = (s["tokens"][cut].long(), s["features"][cut], s["loss_mask"][cut])
+            seq = (s["tokens"][cut].long(), s["features"][cut], s["loss_mask"][cut].clone())
             if "fused" in s:  # EAGLE-3 runs: the fused features and the target's top-1 too
                 seq += (s["fused"][cut], s["top1"][cut].long())
             (val if s["split"][j] else train).append(seq)

@@ -634,6 +634,24 @@ def test_regenerate_batches_prompts_of_like_length(real_model, real_tokenizer, m
     assert len(calls) == 3 and lengths == sorted(lengths)
 
 
+def test_map_shard_reads_what_safetensors_wrote(tmp_path):
+    """The memory-mapped reader gives every tensor of a shard with its dtype, shape and values, as views of one map
+    of the file (not copies: a run's features need not fit in memory)."""
+    from safetensors.torch import load_file
+    tensors = {"features": torch.randn(7, 5).to(torch.bfloat16), "tokens": torch.arange(7, dtype=torch.int32),
+               "offsets": torch.tensor([0, 3, 7]), "loss_mask": torch.tensor([0, 1, 1, 0, 1, 1, 1], dtype=torch.uint8),
+               "scale": torch.rand(3), "split": torch.tensor([1, 0], dtype=torch.uint8)}
+    path = tmp_path / "shard_00000.safetensors"
+    train.atomic_save(tensors, path)
+    mapped, read = train.map_shard(path), load_file(str(path))
+    assert mapped.keys() == read.keys()
+    for k in read:
+        assert mapped[k].dtype == read[k].dtype and torch.equal(mapped[k], read[k]), k
+    assert mapped["features"].untyped_storage().nbytes() == path.stat().st_size  # a view of the whole file's map
+    mapped["features"].add_(1)  # copy-on-write: the file keeps its bytes
+    assert torch.equal(load_file(str(path))["features"], tensors["features"])
+
+
 def test_extract_regenerate_end_to_end(tmp_path, default_checkpoint):
     """extract --regenerate --fused on the real target: replies regenerated (written as JSONL), then features and
     fused features of the regenerated conversations in resumable shards."""
