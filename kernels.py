@@ -433,109 +433,9 @@ void run_amx(const Lin& a) {
     });
   }
 }
-// int8 and int4 weights through the tiles: 16 weight rows' 32 columns at a time are converted to bf16 into a 1 KB
-// buffer (int8 exactly, its scale applied at the end; int4 dequantized and rounded, the values the vector path
-// uses), which the tiles load as A; the activations are B, as for bf16 weights. Each weight is converted once for
-// up to 64 activation rows (four B panels, four C tiles), and 16 rows cost about what one does.
-// tiles: 0 and 2 activations (B), 1 the converted weights (A), 3-6 outputs (C), one per panel of cols rows
-inline void configure_dequant_tiles(int cols) {
-  TileConfig c;
-  c.rows[0] = c.rows[2] = 16, c.colsb[0] = c.colsb[2] = 4 * cols;
-  c.rows[1] = 16, c.colsb[1] = 64;
-  for (int t = 3; t <= 6; t++) c.rows[t] = 16, c.colsb[t] = 4 * cols;
-  load_tile_config(c);
-}
-
-// weight rows n0..n0+15 (those below N) x P panels of cols activation rows; buf: SLOTS 16 x 32 bf16 slots, zeroed
-constexpr int LAG = 4, SLOTS = 8;
-template <int WT, int P>
-inline void amx_dequant_block(const Lin& a, const uint32_t* xt, int cols, int64_t n0, uint16_t* buf) {
-  const int64_t KB = a.K / 32, panel = KB * 16 * cols;
-  const int rows = (int)std::min<int64_t>(16, a.N - n0);
-  _tile_zero(3);
-  if (P > 1) _tile_zero(4);
-  if (P > 2) _tile_zero(5);
-  if (P > 3) _tile_zero(6);
-  // the tiles take step kb - LAG while step kb is converted: a tile load that reads the stores just made waits
-  // for them to reach the cache (one row took 112 us where the vectors take 75)
-  for (int64_t kb = 0; kb < KB + LAG; kb++) {
-    if (kb < KB) {
-      uint16_t* w = buf + (kb % SLOTS) * 512;
-      // the next 16 rows' step kb, one group ahead (the group's 4 blocks are one region, read as 4 streams)
-      if (n0 + 16 < a.N) {
-        const char* next = a.w + ((n0 + 16) / 4 * (a.K / 32) + kb) * 64 * a.ahead_lines;
-        for (int j = 0; j < 4; j++)
-          for (int64_t l = 0; l < a.ahead_lines; l++) _mm_prefetch(next + j * KB * 64 * a.ahead_lines + 64 * l, _MM_HINT_T1);
-      }
-      for (int j = 0; j < rows; j++) {
-        __m512 lo, hi;
-        wload512<WT>(a, n0 + j, kb, lo, hi);
-        _mm512_storeu_si512(w + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-    }
-    if (kb < LAG) continue;
-    const int64_t k = kb - LAG;
-    _tile_loadd(1, buf + (k % SLOTS) * 512, 64);
-    _tile_loadd(0, xt + k * 16 * cols, 4 * cols);
-    _tile_dpbf16ps(3, 1, 0);
-    if (P > 1) {
-      _tile_loadd(2, xt + panel + k * 16 * cols, 4 * cols);
-      _tile_dpbf16ps(4, 1, 2);
-    }
-    if (P > 2) {
-      _tile_loadd(0, xt + 2 * panel + k * 16 * cols, 4 * cols);
-      _tile_dpbf16ps(5, 1, 0);
-    }
-    if (P > 3) {
-      _tile_loadd(2, xt + 3 * panel + k * 16 * cols, 4 * cols);
-      _tile_dpbf16ps(6, 1, 2);
-    }
-  }
-  float c[4][16][16];  // (panel, weight row, activation row)
-  _tile_stored(3, c[0], 64);
-  if (P > 1) _tile_stored(4, c[1], 64);
-  if (P > 2) _tile_stored(5, c[2], 64);
-  if (P > 3) _tile_stored(6, c[3], 64);
-  for (int p = 0; p < P; p++) {
-    const int mp = (int)std::min<int64_t>(cols, a.M - p * cols);
-    for (int m = 0; m < mp; m++)
-      for (int j = 0; j < rows; j += 4)
-        finish4(a, p * cols + m, n0 + j, _mm_setr_ps(c[p][j][m], c[p][j + 1][m], c[p][j + 2][m], c[p][j + 3][m]));
-  }
-}
-
-template <int WT>
-void run_amx_dequantized(const Lin& a) {
-  const int64_t blocks = (a.N + 15) / 16;
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1));
-  const int cols = (int)std::min<int64_t>(16, a.M);
-  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
-    Lin p = a;  // rows p0.. of the input and the output
-    p.M = std::min<int64_t>(64, a.M - p0);
-    p.xb = a.xb + p0 * a.K;
-    p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
-    const std::vector<uint32_t> xt = pair_layout(p, cols);
-    const int panels = (int)((p.M + cols - 1) / cols);
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      alignas(64) uint16_t buf[SLOTS * 512] = {};
-      configure_dequant_tiles(cols);
-      for (int64_t b = b0; b < b1; b++) {
-        switch (panels) {
-          case 1: amx_dequant_block<WT, 1>(p, xt.data(), cols, 16 * b, buf); break;
-          case 2: amx_dequant_block<WT, 2>(p, xt.data(), cols, 16 * b, buf); break;
-          case 3: amx_dequant_block<WT, 3>(p, xt.data(), cols, 16 * b, buf); break;
-          default: amx_dequant_block<WT, 4>(p, xt.data(), cols, 16 * b, buf); break;
-        }
-      }
-      _tile_release();
-    });
-  }
-}
 #pragma GCC pop_options
 #else
 void run_amx(const Lin&) {}  // never called: amx_usable() is false
-template <int WT>
-void run_amx_dequantized(const Lin&) {}
 #endif
 
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
@@ -748,11 +648,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     // 1536 x 576), and 5 rows about as long as the vectors take
     if (level == AMX && wt == W_BF16) {
       run_amx(a);
-      return out;
-    }
-    if (level == AMX && getenv("EAGLE_AMX_INT")) {
-      if (wt == W_I8) run_amx_dequantized<W_I8>(a);
-      else run_amx_dequantized<W_I4>(a);
       return out;
     }
     // up to 6 rows (one activation block) the weights are converted in registers, more rows read them converted
