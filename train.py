@@ -692,7 +692,6 @@ def fit(args):
     total_steps = len(epoch_batches) * args.epochs
     if total_steps == 0:
         die(f"{len(train_seqs)} training sequences are fewer than one batch of {global_batch}")
-    model = torch.nn.parallel.DistributedDataParallel(trainer) if distributed else trainer
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     state_path = out / "train_state.pt"
     step = 0
@@ -709,6 +708,9 @@ def fit(args):
         torch.set_rng_state(state["rng"])
         if rank == 0:
             print(f"resumed from step {step}", file=sys.stderr)
+    if args.kind == "eagle3":  # the vocabulary may be a started or resumed head's (d2t): the trainer reads its rows
+        trainer = ttt_trainer(head, target, args.ttt_steps or 4)
+    model = torch.nn.parallel.DistributedDataParallel(trainer) if distributed else trainer
     start_step = step
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0, unit="step")
     t0, seen_tokens, log = time.perf_counter(), 0, []
@@ -785,8 +787,9 @@ def fit(args):
 
 
 def init_from(head, head_dir, target):
-    """Start from a trained head's weights (e.g. the shipped one, to improve it on new data): everything but the
-    draft vocabulary, which stays the one counted on this run's data."""
+    """Start from a trained head's weights (e.g. the shipped one, to improve it on new data). An EAGLE-1/2 head keeps
+    the draft vocabulary counted on this run's data (its LM head is the target's); an EAGLE-3 head's LM head rows
+    belong to its own vocabulary, so that comes with them (d2t)."""
     try:
         start = load_head(head_dir, target)
     except (FileNotFoundError, ValueError, KeyError) as e:
@@ -803,8 +806,9 @@ def init_from(head, head_dir, target):
     bad = [k for k, v in weights.items() if k not in own or not fits(k, v)]
     if bad:
         die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")
-    if "d2t" in weights and not torch.equal(weights["d2t"], own["d2t"]):  # EAGLE-3: its LM head rows are its vocabulary
-        die(f"--init_head {head_dir} drafts over another vocabulary than this run's data gives")
+    if "d2t" in weights and own["d2t"].shape != weights["d2t"].shape:  # EAGLE-3: its LM head rows are its vocabulary
+        die(f"--init_head {head_dir} drafts over {len(weights['d2t'])} tokens, this run over {len(own['d2t'])} "
+            f"(--draft_vocab)")
     with torch.no_grad():
         for k, v in weights.items():
             if own[k].shape != v.shape and k.endswith("w2.weight"):

@@ -827,6 +827,45 @@ def test_eagle3_loss_scores_each_step_at_the_right_positions():
     assert torch.equal(correct, torch.stack(want_correct)) and correct.sum() > 0
 
 
+def fused_run(root, target, ckpt, seeds):
+    """A run directory of --fused shards of random sequences from the target (one shard, the last one held out)."""
+    seqs = [eagle3_sequence(target, n=16 + s % 7, seed=s) for s in seeds]
+    (root / "features").mkdir(parents=True)
+    cat = lambda i: torch.cat([s[i] for s in seqs])  # noqa: E731
+    train.atomic_save({"tokens": cat(0).int(), "features": cat(1).to(torch.bfloat16), "loss_mask": cat(2),
+                       "fused": cat(3).to(torch.bfloat16), "top1": cat(4).int(),
+                       "offsets": torch.tensor([0] + [len(s[0]) for s in seqs]).cumsum(0),
+                       "split": torch.tensor([0] * (len(seqs) - 1) + [1], dtype=torch.uint8)},
+                      root / "features" / "shard_00000.safetensors")
+    (root / "extract_config.json").write_text(json.dumps({"checkpoint": str(ckpt)}))
+    return root
+
+
+def test_eagle3_fit_continues_a_head_over_its_own_vocabulary(tmp_path):
+    """--init_head with an EAGLE-3 head on new data: the head's LM head rows are its draft vocabulary, so the run
+    keeps the head's vocabulary (d2t) rather than the one counted on the new data, and trains over those rows."""
+    from eagle_head import Eagle3Head
+    model = make_tiny_model(n_layer=4)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({**model.config.to_dict(), "stop_token_ids": [],
+                                                  "chat_template": "none"}))
+    target = load_model(ckpt, pack=False)
+    first, more = fused_run(tmp_path / "first", target, ckpt, range(9)), fused_run(tmp_path / "more", target, ckpt, range(9, 30))
+    args = ["fit", "--kind", "eagle3", "--epochs", "1", "--batch_size", "4", "--warmup", "1", "--no_eval",
+            "--draft_vocab", "16"]
+    train.main([*args, "--out", str(first)])
+    counted = train.frequent_tokens(train.load_features(more)[0], 16)
+    start = load_head(first / "head", target)
+    assert isinstance(start, Eagle3Head) and not torch.equal(start.to_target(torch.arange(16)), counted)
+    train.main([*args, "--out", str(more), "--lr", "0", "--init_head", str(first / "head")])
+    assert_same_weights(head_weights(more), head_weights(first))  # d2t too: the started head's vocabulary
+    train.main([*args, "--out", str(more), "--init_head", str(first / "head")])  # it trains over those rows
+    trained = load_head(more / "head", target)
+    assert torch.equal(trained.d2t, start.d2t) and not torch.equal(trained.lm_head.weight, start.lm_head.weight)
+
+
 def test_fit_eagle3_needs_fused_features(tiny_run, tmp_path, capsys):
     out = fresh_run(tiny_run, tmp_path, "e3")
     code, err = exit_code_and_stderr(["fit", "--out", str(out), "--kind", "eagle3"], capsys)
