@@ -333,7 +333,7 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 def map_shard(path: Path) -> dict:
     """A safetensors file's tensors as views of one copy-on-write memory map of it. Pages come from disk when
     training touches them and the kernel may drop them again, so a run's features need not fit in memory (188
-    fused shards are 14 GB; reading them in filled a 24 GB machine)."""
+    fused shards are 14 GB on disk; read in, 75 of them took an EAGLE-3 fit to 14 GB of a 24 GB machine)."""
     import mmap
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
@@ -592,8 +592,8 @@ def ttt_accuracy(trainer, seqs, batch_size=8):
     return (hits / total.clamp(min=1)).tolist()
 
 
-def eagle3_setup(target, train_seqs, args):
-    """An Eagle3Head for the target, its draft vocabulary (the most frequent assistant tokens) and its trainer."""
+def eagle3_head(target, train_seqs, args) -> Eagle3Head:
+    """An Eagle3Head for the target over its draft vocabulary: the most frequent assistant tokens."""
     V = target.config.vocab_size
     size = min(args.draft_vocab or V, V)
     vocab = frequent_tokens(train_seqs, size)
@@ -604,7 +604,12 @@ def eagle3_setup(target, train_seqs, args):
     head = Eagle3Head(head_config_from_target(target.config), target.config.dim,
                       default_feature_layers(target.config.n_layer), size)
     head.d2t.copy_(vocab - torch.arange(size))
-    head = head.to(args.device).attach(target)
+    return head.to(args.device).attach(target)
+
+
+def eagle3_setup(target, train_seqs, args):
+    """eagle3_head and its trainer."""
+    head = eagle3_head(target, train_seqs, args)
     return head, ttt_trainer(head, target, args.ttt_steps or 4)
 
 
@@ -671,7 +676,7 @@ def fit(args):
             die("--head_ffn widens an EAGLE-1/2 head (--kind eagle)")
         if len(train_seqs[0]) < 5:
             die(f"{out / 'features'} has no fused features: extract them with `train.py extract --fused`")
-        head, trainer = eagle3_setup(target, train_seqs, args)
+        head = eagle3_head(target, train_seqs, args)
     else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
         vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
         width = args.head_ffn or target.config.intermediate_size
@@ -679,7 +684,6 @@ def fit(args):
                          draft_vocab_size=0 if vocab is None else len(vocab))
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
-        trainer = EagleTTT(head, args.ttt_steps) if (args.ttt_steps or 1) > 1 else head
     if args.init_head and not (args.resume and (out / "train_state.pt").is_file()):
         init_from(head, args.init_head, target)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
@@ -708,8 +712,12 @@ def fit(args):
         torch.set_rng_state(state["rng"])
         if rank == 0:
             print(f"resumed from step {step}", file=sys.stderr)
-    if args.kind == "eagle3":  # the vocabulary may be a started or resumed head's (d2t): the trainer reads its rows
+    # the trainer once the head is final: a started or resumed EAGLE-3 head brings its own vocabulary (d2t), whose
+    # target LM-head rows the trainer reads
+    if args.kind == "eagle3":
         trainer = ttt_trainer(head, target, args.ttt_steps or 4)
+    else:
+        trainer = EagleTTT(head, args.ttt_steps) if (args.ttt_steps or 1) > 1 else head
     model = torch.nn.parallel.DistributedDataParallel(trainer) if distributed else trainer
     start_step = step
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0, unit="step")
