@@ -536,7 +536,8 @@ class TrainingTimeTest(nn.Module):
     t + k, and predicts the target's distribution at t+1+k. Its attention sees the real features' keys up to t
     (step 0, causal) and, of steps 1..k, only its own position's keys: the diagonal of the draft tree's mask.
     Loss: sum over steps of 0.8^k x cross-entropy to the target's distribution over the draft vocabulary, on
-    assistant positions whose target top-1 is in that vocabulary. A module, so DDP's forward hooks see it."""
+    assistant positions whose target top-1 is in that vocabulary; top-1 agreement is counted over every assistant
+    position. A module, so DDP's forward hooks see it."""
 
     def __init__(self, head: Eagle3Head, steps: int, target_lm_rows: Tensor, in_vocab: Tensor):
         super().__init__()
@@ -562,7 +563,7 @@ class TrainingTimeTest(nn.Module):
         with torch.no_grad():  # the target's logits over the draft vocabulary, at every position
             target_logits = finals @ self.target_rows.t().float()  # (B, T, V_d)
             target_top = target_logits.max(-1).indices  # (B, T) (max: argmax is ~1.5x slower on CPU)
-            mask = mask * self.in_vocab[top1].float()
+            assistant, mask = mask, mask * self.in_vocab[top1].float()
         losses, counts, correct = [], [], []
         for k, out in enumerate(self.unroll(tokens, fused)):
             # only the scored positions go through the LM head: pair t at step k is scored where the target's
@@ -573,7 +574,9 @@ class TrainingTimeTest(nn.Module):
             logits = self.head.draft_logits(out[b, t]).float()  # (N, V_d)
             n = torch.tensor(float(len(b)), device=tokens.device)
             losses.append(-(p * F.log_softmax(logits, -1)).sum() / n.clamp(min=1))  # fp32: autocast runs a dot in bf16
-            counts.append(n)
+            # agreement counts every assistant position: a draft can never propose a token outside its vocabulary,
+            # so those positions are misses in decoding (6% of MT-bench replies at 8,192 tokens), not exclusions
+            counts.append(shift(assistant, k).sum().float())
             with torch.no_grad():  # the head's top-1 is the target's where the target's token scores the max
                 top = target_top[b, t + k]
                 correct.append((logits.gather(-1, top[:, None])[:, 0] >= logits.amax(-1)).sum().float())
