@@ -708,10 +708,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.xf = xf.data_ptr<float>();
   if (level >= AVX512) {
     switch (wt) {
-      case W_F32: run_linear<Kernel512<F32Step<W_F32>>>(a, 4); break;
-      case W_BF16: run_linear<Kernel512<F32Step<W_BF16>>>(a, 4); break;
-      case W_I8: run_linear<Kernel512<F32Step<W_I8>>>(a, 4); break;
-      default: run_linear<Kernel512<F32Step<W_I4>>>(a, 4); break;
+      case W_F32: run_linear<Kernel512<F32Step<W_F32>>>(a, 5); break;
+      case W_BF16: run_linear<Kernel512<F32Step<W_BF16>>>(a, 5); break;
+      case W_I8: run_linear<Kernel512<F32Step<W_I8>>>(a, 5); break;
+      default: run_linear<Kernel512<F32Step<W_I4>>>(a, 5); break;
     }
   } else {
     switch (wt) {
