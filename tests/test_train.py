@@ -83,6 +83,34 @@ def test_load_examples_from_jsonl_drops_benchmark_prompts(tmp_path, monkeypatch)
         train.load_examples(str(tmp_path / "missing.jsonl"), 10)
 
 
+def test_make_code_texts_writes_whole_definitions_that_load_as_texts(tmp_path, monkeypatch):
+    """scripts/make_code_texts.py: each text is one whole top-level def or class within the size bounds, after the
+    module's imports; test directories and unparsable files are skipped; train.load_examples reads them as texts."""
+    src = tmp_path / "lib"
+    (src / "pkg").mkdir(parents=True)
+    (src / "test").mkdir()
+    body = "    '''Add.'''\n" + "    x = a + b\n" * 20 + "    return x\n"
+    (src / "pkg" / "mod.py").write_text("import os\nfrom math import pi\n\nX = 1\n\n\n@staticmethod\ndef add(a, b):\n"
+                                        + body + "\n\ndef tiny():\n    pass\n\n\nclass Big:\n" + "    y = 2\n" * 400)
+    (src / "pkg" / "broken.py").write_text("def oops(:\n" + "    pass\n" * 50)
+    (src / "test" / "mod.py").write_text("def test_add(a, b):\n" + body)
+    out = tmp_path / "code.jsonl"
+    proc = subprocess.run([sys.executable, "scripts/make_code_texts.py", "--root", str(src), "--out", str(out),
+                           "--min_chars", "100", "--max_chars", "1000"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["lib/pkg/mod.py:add"]  # tiny() too short, Big too long, tests skipped
+    text = rows[0]["text"]
+    assert text.startswith("import os\nfrom math import pi\n\n\n@staticmethod\ndef add(a, b):\n")
+    assert text.endswith("    return x\n")
+    compile(text, "t", "exec")  # whole: it parses
+    monkeypatch.setattr(train, "benchmark_prompts", lambda: [])
+    assert train.load_examples(str(out), 10) == [("lib/pkg/mod.py:add", text)]
+    bad = subprocess.run([sys.executable, "scripts/make_code_texts.py", "--root", str(src / "test" / "none"),
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stderr.strip().startswith("error: no Python source found")
+
+
 def test_benchmark_prompts_found_when_flexeval_installed():
     import importlib.util
     if importlib.util.find_spec("flexeval") is None:
