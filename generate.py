@@ -28,7 +28,7 @@ from tp import init_distributed, shard_model
 from tokenizer import apply_chat_template, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle"
+DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle3"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Draft trees sized for this 2-core CPU (docs/performance.md): once a plain decode step reads weights near memory
 # speed, verifying even 4 tokens costs ~1.5 steps, so small trees win.
