@@ -12,20 +12,21 @@ standard library, and `train.py` drops any record that contains a benchmark prom
 """
 import argparse
 import ast
-import json
 import os
 import random
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
-SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo", "ensurepip"}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train import write_jsonl  # noqa: E402
+
+SKIP_DIRS = {"idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo", "ensurepip"}
 
 
 def source_files(root: Path):
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("test"))
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("test"))  # test, tests
         for name in sorted(filenames):
             if name.endswith(".py") and not name.startswith("test"):
                 yield Path(dirpath) / name
@@ -66,19 +67,15 @@ def main():
     if args.limit <= 0 or not 0 < args.min_chars <= args.max_chars:
         sys.exit("error: --limit must be positive and 0 < --min_chars <= --max_chars")
     root = Path(args.root)
-    found = [(f"{root.name}/{path.relative_to(root)}:{name}", text)
+    tree_name = "stdlib" if args.root == sysconfig.get_paths()["stdlib"] else root.name  # ids: NAME/path.py:def
+    found = [(f"{tree_name}/{path.relative_to(root)}:{name}", text)
              for path in source_files(root) for name, text in pieces(path, args.min_chars, args.max_chars)]
     if not found:
         sys.exit(f"error: no Python source found under {root}")
     random.Random(args.seed).shuffle(found)
     chosen = found[:args.limit]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for ex_id, text in chosen:
-            f.write(json.dumps({"id": ex_id, "text": text}) + "\n")
-    os.replace(tmp, out)
+    write_jsonl(out, chosen)  # {"id", "text"} records, atomically
     chars = sum(len(t) for _, t in chosen)
     print(f"wrote {out}: {len(chosen)} of {len(found)} pieces of {root}, {chars / 1e6:.2f}M characters")
 
