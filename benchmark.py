@@ -153,8 +153,15 @@ def our_runner(model, drafter, cache, stop_ids, device):
     return run
 
 
+def tree_summary(drafter) -> str:
+    if drafter.kind == "dynamic":
+        return f"dynamic tree, depth {drafter.depth}, top-k {drafter.top_k}, {drafter.n_nodes} nodes"
+    return f"{drafter.kind} tree, depth {drafter.depth}, {drafter.n_nodes} nodes"
+
+
 def build_runners(methods, args, checkpoint, stop_ids, prompts):
-    """{method spec: (run(ids, max_new_tokens) -> (tokens, stats), bytes of weights it reads per step)}."""
+    """{method spec: (run(ids, max_new_tokens) -> (tokens, stats), bytes of weights it reads per step, the draft
+    tree's summary or None)}."""
     models, heads, drafters = {}, {}, {}
     for spec, (name, weights) in methods.items():  # weights, heads and trees first: they size the KV cache
         if name == "llama.cpp":
@@ -169,8 +176,12 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
                 dtype = DTYPES[weights if weights in DTYPES else args.dtype]
                 heads[weights] = (random_head(models[weights]) if draft == "random"
                                   else load_head(draft, models[weights], args.device, dtype))
-            drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], args)
-            drafters[spec] = gen.timed_drafter(models[weights], drafter, args, prompts[0][1])
+            tree_args = gen.fill_tree_defaults(argparse.Namespace(**vars(args)), weights, args.device)  # sized per weights
+            if (msg := gen.check_tree(tree_args)) is not None:
+                raise ValueError(msg)
+            drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], tree_args)
+            drafters[spec] = gen.timed_drafter(models[weights], drafter, tree_args, prompts[0][1])
+            print(f"{spec}: {tree_summary(drafters[spec])}", file=sys.stderr)
     cache = max(len(ids) for _, ids in prompts) + args.max_new_tokens + max([d.headroom for d in drafters.values()] + [0]) + 1
     runners = {}
     for spec, (name, weights) in methods.items():
@@ -184,14 +195,14 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
             gguf = args.gguf or (default_gguf() if Path(checkpoint) == gen.DEFAULT_CHECKPOINT else None)
             if gguf is None or not Path(gguf).is_file():
                 raise FileNotFoundError(f"llama.cpp needs the model's GGUF: pass --gguf PATH (got {gguf})")
-            runners[spec] = (llama_cpp_runner(gguf, cache, stop_ids), Path(gguf).stat().st_size)
+            runners[spec] = (llama_cpp_runner(gguf, cache, stop_ids), Path(gguf).stat().st_size, None)
         elif name.startswith("hf"):
             try:
                 hf = hf_model_from(models[weights])
             except ImportError:
                 print(f"skipping {spec}: transformers is not installed (pip install transformers)", file=sys.stderr)
                 continue
-            runners[spec] = (hf_runner(hf, name == "hf-lookup", stop_ids), model_size_bytes(models[weights]))
+            runners[spec] = (hf_runner(hf, name == "hf-lookup", stop_ids), model_size_bytes(models[weights]), None)
         else:
             drafter = drafters.get(spec)
             # the head's own weights (an EAGLE-3 head's LM head among them; the embedding is the target's) and an
@@ -201,7 +212,7 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
             if draft_rows is not None:
                 head_bytes += draft_rows.numel() * draft_rows.element_size()
             runners[spec] = (our_runner(models[weights], drafter, cache, stop_ids, args.device),
-                             model_size_bytes(models[weights]) + head_bytes)
+                             model_size_bytes(models[weights]) + head_bytes, drafter and tree_summary(drafter))
     return runners
 
 
@@ -260,6 +271,9 @@ def print_table(results):
         speedup = f"{e['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in e else ""
         print(f"| {e['method']} | {e['weights']} | {e['tokens_per_s']:.1f} | {speedup} | {tau} | {rates} | {same} | "
               f"{e['weights_bytes'] / 2**20:.0f} | {e['warmup_seconds']:.0f} |")
+    trees = [f"{spec}: {e['draft_tree']}" for spec, e in results["methods"].items() if "draft_tree" in e]
+    if trees:
+        print("\nDraft trees: " + "; ".join(trees))
 
 
 def plot(results, path):
@@ -305,11 +319,11 @@ def main(argv=None):
     p.add_argument("--no_compile", action="store_true", help="eager decoding (compiled by default)")
     p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++ (CPU)")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
-    p.add_argument("--depth", type=int, default=gen.TREE["depth"])
-    p.add_argument("--draft_top_k", type=int, default=gen.TREE["top_k"])
-    p.add_argument("--total_tokens", type=gen.total_tokens_arg, default=gen.TREE["total_tokens"],
-                   help="dynamic tree size, or 'auto'")
-    p.add_argument("--speculate_k", type=int, default=gen.TREE["speculate_k"])
+    # unset tree flags take generate.py's default for each method's weights (gen.default_tree)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--draft_top_k", type=int, default=None)
+    p.add_argument("--total_tokens", type=gen.total_tokens_arg, default=None, help="dynamic tree size, or 'auto'")
+    p.add_argument("--speculate_k", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results.json"))
     p.add_argument("--plot", type=Path, default=None, help="PNG of tokens/s and acceptance per depth (matplotlib)")
     args = p.parse_args(argv)
@@ -345,16 +359,17 @@ def main(argv=None):
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)
 
     warmup, memory = {}, {}
-    for spec, (run, weights_bytes) in runners.items():  # compile (or warm caches) on the first prompt, timed apart
+    for spec, (run, weights_bytes, tree) in runners.items():  # compile or warm caches on the first prompt, timed apart
         t0 = time.perf_counter()
         run(prompts[0][1][:64], 16)
         warmup[spec] = time.perf_counter() - t0
-        memory[spec] = {"weights_bytes": weights_bytes, "peak_rss_bytes_after_warmup": peak_memory_bytes(args.device)}
+        memory[spec] = {"weights_bytes": weights_bytes, "peak_rss_bytes_after_warmup": peak_memory_bytes(args.device),
+                        **({"draft_tree": tree} if tree else {})}
         print(f"warm-up {spec}: {warmup[spec]:.1f} s", file=sys.stderr)
 
     per_prompt = {spec: [] for spec in runners}
     for i, (pid, ids) in enumerate(prompts):
-        for spec, (run, _) in runners.items():
+        for spec, (run, _, _) in runners.items():
             t0 = time.perf_counter()
             tokens, stats = run(ids, args.max_new_tokens)
             per_prompt[spec].append({"id": pid, "token_ids": tokens, "seconds": time.perf_counter() - t0, **stats})

@@ -30,9 +30,13 @@ from tokenizer import apply_chat_template, get_tokenizer
 ROOT = Path(__file__).resolve().parent
 DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle3"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Draft trees sized for this 2-core CPU (docs/performance.md): once a plain decode step reads weights near memory
-# speed, verifying even 4 tokens costs ~1.5 steps, so small trees win.
+# Draft trees sized for 2-core CPUs (docs/performance.md). Once a plain decode step reads weights near memory speed,
+# a tree pays off only while verifying it costs about one step: the 8-node tree where 9 tokens cost ~1.2 steps (bf16
+# on AMX matmul units; a GPU), the 4-node one where they cost ~2 (AVX2, AVX-512 without AMX, int8/int4 weights,
+# whose unpacking is compute-bound). default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
+WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
+TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
 
 
 # ---------------------------------------------------------------- sampling (no host syncs)
@@ -481,12 +485,18 @@ def build_parser():
                    help="EAGLE head directory (project or official layout), 'random' for an untrained head, or "
                         "'none' for plain decoding (default: the shipped head for the default model, if present)")
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
-    p.add_argument("--depth", type=int, default=TREE["depth"], help="dynamic tree: draft depth")
-    p.add_argument("--draft_top_k", type=int, default=TREE["top_k"], help="dynamic tree: nodes expanded per depth")
-    p.add_argument("--total_tokens", type=total_tokens_arg, default=TREE["total_tokens"],
+
+    def sizes(key):
+        return f"(default: {WIDE_TREE[key]} for bf16 on AMX CPUs and on CUDA, else {TREE[key]})"
+    p.add_argument("--depth", type=int, default=None, help=f"dynamic tree: draft depth {sizes('depth')}")
+    p.add_argument("--draft_top_k", type=int, default=None,
+                   help=f"dynamic tree: nodes expanded per depth {sizes('top_k')}")
+    p.add_argument("--total_tokens", type=total_tokens_arg, default=None,
                    help="dynamic tree: draft nodes kept (root excluded), or 'auto' to time sizes "
-                        f"{', '.join(map(str, AUTO_SIZES))} on the prompt at start-up and keep the fastest")
-    p.add_argument("--speculate_k", type=int, default=TREE["speculate_k"], help="chain: draft tokens per cycle")
+                        f"{', '.join(map(str, AUTO_SIZES))} on the prompt at start-up and keep the fastest "
+                        f"{sizes('total_tokens')}")
+    p.add_argument("--speculate_k", type=int, default=None,
+                   help=f"chain: draft tokens per cycle {sizes('speculate_k')}")
     p.add_argument("--tree_paths", default=None,
                    help="static tree as JSON paths of child ranks, e.g. '[[0],[1],[0,0]]' or a .json file "
                         "(default: EAGLE-1's 26-node tree)")
@@ -523,16 +533,6 @@ def check_args(args):
         return f"--top_k must be at least 1, got {args.top_k}"
     if args.max_seq_length is not None and args.max_seq_length < 2:
         return f"--max_seq_length must be at least 2, got {args.max_seq_length}"
-    if not 1 <= args.depth <= 16:
-        return f"--depth must be in 1..16, got {args.depth}"
-    if not 1 <= args.draft_top_k <= 32:
-        return f"--draft_top_k must be in 1..32, got {args.draft_top_k}"
-    pool = args.draft_top_k + (args.depth - 1) * args.draft_top_k ** 2
-    if args.total_tokens != "auto" and not 1 <= args.total_tokens <= min(pool, 256):
-        return (f"--total_tokens must be in 1..{min(pool, 256)} for depth {args.depth} and top_k "
-                f"{args.draft_top_k}, got {args.total_tokens}")
-    if not 1 <= args.speculate_k <= 16:
-        return f"--speculate_k must be in 1..16, got {args.speculate_k}"
     return None
 
 
@@ -594,10 +594,42 @@ def fastest_dtype(device) -> str:
     return "bfloat16" if kernels.load() else "float32"
 
 
+def default_tree(device, weights) -> dict:
+    """The draft tree sizes that decode fastest for these weights ("bfloat16", "int4.g32", ...) here (TREE's note)."""
+    if torch.device(device).type == "cuda" or (weights == "bfloat16" and kernels.isa() == "amx"):
+        return WIDE_TREE
+    return TREE
+
+
+def fill_tree_defaults(args, weights, device):
+    """Set the tree flags left unset (None) to default_tree()'s sizes for these weights; returns args."""
+    tree = default_tree(device, weights)
+    for key, flag in TREE_FLAGS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, tree[key])
+    return args
+
+
+def check_tree(args):
+    """check_args for the tree flags, once fill_tree_defaults() has set them: one message, or None."""
+    if not 1 <= args.depth <= 16:
+        return f"--depth must be in 1..16, got {args.depth}"
+    if not 1 <= args.draft_top_k <= 32:
+        return f"--draft_top_k must be in 1..32, got {args.draft_top_k}"
+    pool = args.draft_top_k + (args.depth - 1) * args.draft_top_k ** 2
+    if args.total_tokens != "auto" and not 1 <= args.total_tokens <= min(pool, 256):
+        return (f"--total_tokens must be in 1..{min(pool, 256)} for depth {args.depth} and top_k "
+                f"{args.draft_top_k}, got {args.total_tokens}")
+    if not 1 <= args.speculate_k <= 16:
+        return f"--speculate_k must be in 1..16, got {args.speculate_k}"
+    return None
+
+
 def resolve_defaults(args):
-    """--dtype auto and --compile unset become what runs fastest here."""
+    """--dtype auto, --compile and the tree flags unset become what runs fastest here."""
     if args.dtype == "auto":
         args.dtype = fastest_dtype(args.device)
+    fill_tree_defaults(args, args.quant or args.dtype, args.device)
     if args.compile is None:  # torch.compile on CPU needs a C++ compiler
         args.compile = torch.device(args.device).type == "cuda" or any(
             shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++"))
@@ -615,6 +647,8 @@ def main(argv=None):
         die(msg)
     torch.manual_seed(args.seed)
     resolve_defaults(args)
+    if (msg := check_tree(args)) is not None:
+        die(msg)
     device, dtype = args.device, DTYPES[args.dtype]
     try:
         rank, world = init_distributed(device)  # under torchrun: this process's share of a tensor-parallel model

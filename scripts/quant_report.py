@@ -71,7 +71,8 @@ def run_config(args):
         head = random_head(model, seed=0).to(dtype)
     else:
         head = load_head(args.draft, model, "cpu", dtype)
-    drafter = Drafter(head)  # the dynamic tree with generate.py's defaults
+    tree = gen.default_tree("cpu", config)  # the dynamic tree generate.py picks for these weights here
+    drafter = Drafter(head, "dynamic", tree["depth"], tree["top_k"], tree["total_tokens"])
     prompts = [ids for _, ids in load_prompts(args.prompts_file, tokenizer, model.checkpoint_config, args.prompts)]
     cache = max(map(len, prompts)) + args.max_new_tokens + drafter.headroom + 1
     if args.compile:

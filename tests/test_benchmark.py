@@ -60,7 +60,9 @@ def test_benchmark_end_to_end_exact_in_float32(tmp_path, capsys, default_checkpo
         e = r["methods"][m]
         assert e["equal_to_reference"] == 2 and e["mean_accepted"] >= 1 and e["tokens_per_s"] > 0
         assert [p["token_ids"] for p in e["per_prompt"]] == [p["token_ids"] for p in plain["per_prompt"]]
-    assert "| eagle-dynamic | float32 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| eagle-dynamic | float32 |" in out and "eagle-chain@float32: chain tree, depth 3, 3 nodes" in out
+    assert r["methods"]["eagle-dynamic@float32"]["draft_tree"] == "dynamic tree, depth 3, top-k 2, 4 nodes"
 
 
 def test_benchmark_runs_an_eagle3_head(tmp_path, capsys, real_model):
@@ -89,6 +91,7 @@ def test_benchmark_runs_an_eagle3_head(tmp_path, capsys, real_model):
     (["--methods", "plain,fast"], "unknown method"),
     (["--max_new_tokens", "0"], "--max_new_tokens"),
     (["--prompts", "/nonexistent.jsonl"], "prompts file not found"),
+    (["--methods", "eagle-chain", "--speculate_k", "0", "--no_compile"], "--speculate_k must be in 1..16"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -148,6 +148,9 @@ def run_main(argv, capsys):
     (["--top_k", "0"], "--top_k must be at least 1"),
     (["--num_samples", "0"], "--num_samples"),
     (["--checkpoint", "/nonexistent/model"], "checkpoint directory not found"),
+    (["--depth", "0"], "--depth must be in 1..16"),
+    (["--depth", "2", "--draft_top_k", "2", "--total_tokens", "7"], "--total_tokens must be in 1..6"),
+    (["--speculate_k", "17"], "--speculate_k must be in 1..16"),
 ])
 def test_bad_arguments_give_one_clear_line(argv, message, capsys):
     code, err = run_main(argv, capsys)
@@ -247,6 +250,24 @@ def test_defaults_pick_the_fastest_exact_configuration():
     assert args.compile is True  # this machine has g++ (torch.compile needs it)
     args = gen.resolve_defaults(gen.build_parser().parse_args(["--dtype", "float32", "--no-compile"]))
     assert args.dtype == "float32" and args.compile is False
+
+
+@pytest.mark.parametrize("isa, device, weights, tree", [
+    ("amx", "cpu", "bfloat16", gen.WIDE_TREE), ("amx", "cpu", "int4.g32", gen.TREE),
+    ("amx", "cpu", "float32", gen.TREE),
+    ("avx512_bf16", "cpu", "bfloat16", gen.TREE), ("avx2", "cpu", "bfloat16", gen.TREE),
+    ("fallback", "cuda", "bfloat16", gen.WIDE_TREE)])
+def test_default_tree_follows_the_verification_cost(monkeypatch, isa, device, weights, tree):
+    """The 8-node tree only where a 9-token verification costs about one step (AMX bf16, CUDA); flags override."""
+    import kernels
+    monkeypatch.setattr(kernels, "isa", lambda: isa)
+    args = gen.fill_tree_defaults(gen.build_parser().parse_args([]), weights, device)
+    assert (args.depth, args.draft_top_k, args.total_tokens, args.speculate_k) == (
+        tree["depth"], tree["top_k"], tree["total_tokens"], tree["speculate_k"])
+    args = gen.fill_tree_defaults(gen.build_parser().parse_args(["--depth", "5", "--speculate_k", "2"]), weights,
+                                  device)
+    assert (args.depth, args.draft_top_k, args.speculate_k) == (5, tree["top_k"], 2)
+    assert gen.WIDE_TREE["total_tokens"] > gen.TREE["total_tokens"]
 
 
 # ---------------------------------------------------------------- batched decoding
