@@ -153,6 +153,11 @@ def our_runner(model, drafter, cache, stop_ids, device):
     return run
 
 
+def tree_args(args, weights):
+    """args with the tree flags left unset filled for these weights (generate.py's default here)."""
+    return gen.fill_tree_defaults(argparse.Namespace(**vars(args)), weights, args.device)
+
+
 def tree_summary(drafter) -> str:
     if drafter.kind == "dynamic":
         return f"dynamic tree, depth {drafter.depth}, top-k {drafter.top_k}, {drafter.n_nodes} nodes"
@@ -176,11 +181,8 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
                 dtype = DTYPES[weights if weights in DTYPES else args.dtype]
                 heads[weights] = (random_head(models[weights]) if draft == "random"
                                   else load_head(draft, models[weights], args.device, dtype))
-            tree_args = gen.fill_tree_defaults(argparse.Namespace(**vars(args)), weights, args.device)  # sized per weights
-            if (msg := gen.check_tree(tree_args)) is not None:
-                raise ValueError(msg)
-            drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], tree_args)
-            drafters[spec] = gen.timed_drafter(models[weights], drafter, tree_args, prompts[0][1])
+            drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], tree_args(args, weights))
+            drafters[spec] = gen.timed_drafter(models[weights], drafter, tree_args(args, weights), prompts[0][1])
             print(f"{spec}: {tree_summary(drafters[spec])}", file=sys.stderr)
     cache = max(len(ids) for _, ids in prompts) + args.max_new_tokens + max([d.headroom for d in drafters.values()] + [0]) + 1
     runners = {}
@@ -343,6 +345,9 @@ def main(argv=None):
         die(e)
     if not methods:
         die("--methods is empty")
+    for spec, (name, weights) in methods.items():  # tree flags, per weights, before anything loads
+        if name.startswith("eagle") and (msg := gen.check_tree(tree_args(args, weights))) is not None:
+            die(f"{spec}: {msg}")
     torch.manual_seed(0)
     try:
         checkpoint = args.checkpoint or default_checkpoint()

@@ -32,8 +32,8 @@ DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle3"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Draft trees sized for 2-core CPUs (docs/performance.md). Once a plain decode step reads weights near memory speed,
 # a tree pays off only while verifying it costs about one step: the 8-node tree where 9 tokens cost ~1.2 steps (bf16
-# on AMX matmul units; a GPU), the 4-node one where they cost ~2 (AVX2, AVX-512 without AMX, int8/int4 weights,
-# whose unpacking is compute-bound). default_tree() picks; the flags override it.
+# on AMX matmul units; any weights on a GPU), the 4-node one where they cost ~2 (CPUs: AVX2, AVX-512 without AMX,
+# int8/int4 weights, whose unpacking is compute-bound). default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
@@ -487,7 +487,7 @@ def build_parser():
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
 
     def sizes(key):
-        return f"(default: {WIDE_TREE[key]} for bf16 on AMX CPUs and on CUDA, else {TREE[key]})"
+        return f"(default: {WIDE_TREE[key]} for bf16 weights on AMX CPUs and on CUDA, else {TREE[key]})"
     p.add_argument("--depth", type=int, default=None, help=f"dynamic tree: draft depth {sizes('depth')}")
     p.add_argument("--draft_top_k", type=int, default=None,
                    help=f"dynamic tree: nodes expanded per depth {sizes('top_k')}")
@@ -533,7 +533,7 @@ def check_args(args):
         return f"--top_k must be at least 1, got {args.top_k}"
     if args.max_seq_length is not None and args.max_seq_length < 2:
         return f"--max_seq_length must be at least 2, got {args.max_seq_length}"
-    return None
+    return check_tree(args)  # the flags given; again once resolve_defaults() has filled the rest
 
 
 def parse_tree_paths(text):
@@ -601,27 +601,37 @@ def default_tree(device, weights) -> dict:
     return TREE
 
 
+def tree_pool(depth, top_k) -> int:
+    """Nodes a dynamic tree of this depth and top-k can choose its --total_tokens from."""
+    return min(top_k + (depth - 1) * top_k ** 2, 256)
+
+
 def fill_tree_defaults(args, weights, device):
-    """Set the tree flags left unset (None) to default_tree()'s sizes for these weights; returns args."""
+    """Set the tree flags left unset (None) to default_tree()'s sizes for these weights (a default --total_tokens
+    shrunk to what a given --depth and --draft_top_k allow); returns args."""
     tree = default_tree(device, weights)
+    given_total = args.total_tokens is not None
     for key, flag in TREE_FLAGS.items():
         if getattr(args, flag) is None:
             setattr(args, flag, tree[key])
+    if not given_total and 1 <= args.depth <= 16 and 1 <= args.draft_top_k <= 32:  # bad ones: check_tree says
+        args.total_tokens = min(args.total_tokens, tree_pool(args.depth, args.draft_top_k))
     return args
 
 
 def check_tree(args):
-    """check_args for the tree flags, once fill_tree_defaults() has set them: one message, or None."""
-    if not 1 <= args.depth <= 16:
+    """check_args for the tree flags (those still unset are skipped): one message, or None."""
+    if args.depth is not None and not 1 <= args.depth <= 16:
         return f"--depth must be in 1..16, got {args.depth}"
-    if not 1 <= args.draft_top_k <= 32:
+    if args.draft_top_k is not None and not 1 <= args.draft_top_k <= 32:
         return f"--draft_top_k must be in 1..32, got {args.draft_top_k}"
-    pool = args.draft_top_k + (args.depth - 1) * args.draft_top_k ** 2
-    if args.total_tokens != "auto" and not 1 <= args.total_tokens <= min(pool, 256):
-        return (f"--total_tokens must be in 1..{min(pool, 256)} for depth {args.depth} and top_k "
-                f"{args.draft_top_k}, got {args.total_tokens}")
-    if not 1 <= args.speculate_k <= 16:
+    if args.speculate_k is not None and not 1 <= args.speculate_k <= 16:
         return f"--speculate_k must be in 1..16, got {args.speculate_k}"
+    if None in (args.depth, args.draft_top_k, args.total_tokens) or args.total_tokens == "auto":
+        return None
+    if not 1 <= args.total_tokens <= tree_pool(args.depth, args.draft_top_k):
+        return (f"--total_tokens must be in 1..{tree_pool(args.depth, args.draft_top_k)} for depth {args.depth} and "
+                f"top_k {args.draft_top_k}, got {args.total_tokens}")
     return None
 
 

@@ -1072,7 +1072,7 @@ def load() -> bool:
 
 
 def isa() -> str:
-    """Which build runs here: 'avx512_bf16', 'avx512', 'avx2', or 'fallback'."""
+    """Which build runs here: 'amx', 'avx512_bf16', 'avx512', 'avx2', or 'fallback'."""
     return ISA_NAMES.get(_state["isa"], "fallback") if load() else "fallback"
 
 

@@ -7,8 +7,9 @@ A config is a float dtype (float32, bfloat16, float16) or a quantized variant's 
 int8.head8, ...; see quantize.py), which runs with --quant_dtype activations. Missing quantized weights are
 written beside the checkpoint first (quantize.py's files). Each config then runs in a process of its own, so the
 memory columns are that config's alone: load, perplexity on tests/data/ppl_text.txt, then greedy decoding of the
-same chat prompts plain and with an EAGLE head (generate.Drafter's dynamic-tree defaults), each warmed up
-(compiled) on the first prompt before timing; EOS is ignored so every run makes --max_new_tokens tokens.
+same chat prompts plain and with an EAGLE head (the dynamic tree generate.py picks for that config here: the tree
+column), each warmed up (compiled) on the first prompt before timing; EOS is ignored so every run makes
+--max_new_tokens tokens.
 Columns: weights read per forward (MiB), perplexity, tokens/s plain and with EAGLE, tau (new tokens per
 verification), whether EAGLE's output equalled plain's, RSS before and after loading (their difference is the
 config's own load) and peak RSS (VmHWM: transient copies while loading, and compilation, included).
@@ -73,6 +74,7 @@ def run_config(args):
         head = load_head(args.draft, model, "cpu", dtype)
     tree = gen.default_tree("cpu", config)  # the dynamic tree generate.py picks for these weights here
     drafter = Drafter(head, "dynamic", tree["depth"], tree["top_k"], tree["total_tokens"])
+    row["tree"] = f"depth {tree['depth']}, top-k {tree['top_k']}, {tree['total_tokens']} nodes"
     prompts = [ids for _, ids in load_prompts(args.prompts_file, tokenizer, model.checkpoint_config, args.prompts)]
     cache = max(map(len, prompts)) + args.max_new_tokens + drafter.headroom + 1
     if args.compile:
@@ -154,12 +156,12 @@ def main(argv=None):
     print(f"\n{checkpoint.name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{'compiled' if args.compile else 'eager'}, {args.prompts} prompts x {args.max_new_tokens} new tokens, "
           f"EAGLE head: {args.draft}\n")
-    print("| config | activations | weights MiB | perplexity | plain tok/s | EAGLE tok/s | speed-up | tau | exact "
-          "| RSS before load MiB | RSS loaded MiB | peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | activations | weights MiB | perplexity | plain tok/s | EAGLE tok/s | speed-up | tree | tau "
+          "| exact | RSS before load MiB | RSS loaded MiB | peak RSS MiB |\n" + "|---" * 13 + "|")
     for r in rows:
         print(f"| {r['config']} | {r['dtype']} | {r['weights_mib']:.0f} | {r['perplexity']:.3f} "
               f"| {r['plain_tokens_per_s']:.1f} | {r['eagle_tokens_per_s']:.1f} "
-              f"| {r['eagle_tokens_per_s'] / r['plain_tokens_per_s']:.2f}x | {r['tau']:.2f} "
+              f"| {r['eagle_tokens_per_s'] / r['plain_tokens_per_s']:.2f}x | {r['tree']} | {r['tau']:.2f} "
               f"| {'yes' if r['exact'] else 'NO'} | {r['rss_base_mib']:.0f} | {r['rss_loaded_mib']:.0f} "
               f"| {r['peak_rss_mib']:.0f} |")
 

@@ -91,7 +91,8 @@ def test_benchmark_runs_an_eagle3_head(tmp_path, capsys, real_model):
     (["--methods", "plain,fast"], "unknown method"),
     (["--max_new_tokens", "0"], "--max_new_tokens"),
     (["--prompts", "/nonexistent.jsonl"], "prompts file not found"),
-    (["--methods", "eagle-chain", "--speculate_k", "0", "--no_compile"], "--speculate_k must be in 1..16"),
+    (["--methods", "plain,eagle-chain", "--speculate_k", "0"], "eagle-chain@bfloat16: --speculate_k must be in 1..16"),
+    (["--methods", "eagle-dynamic@int8", "--total_tokens", "11"], "--total_tokens must be in 1..10 for depth 3"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -256,18 +256,21 @@ def test_defaults_pick_the_fastest_exact_configuration():
     ("amx", "cpu", "bfloat16", gen.WIDE_TREE), ("amx", "cpu", "int4.g32", gen.TREE),
     ("amx", "cpu", "float32", gen.TREE),
     ("avx512_bf16", "cpu", "bfloat16", gen.TREE), ("avx2", "cpu", "bfloat16", gen.TREE),
-    ("fallback", "cuda", "bfloat16", gen.WIDE_TREE)])
+    ("fallback", "cuda", "bfloat16", gen.WIDE_TREE), ("fallback", "cuda", "int4.g32", gen.WIDE_TREE)])
 def test_default_tree_follows_the_verification_cost(monkeypatch, isa, device, weights, tree):
-    """The 8-node tree only where a 9-token verification costs about one step (AMX bf16, CUDA); flags override."""
+    """The 8-node tree only where a 9-token verification costs about one step (AMX bf16, CUDA); flags given override
+    their defaults, and a default --total_tokens shrinks to what a given --depth allows."""
     import kernels
     monkeypatch.setattr(kernels, "isa", lambda: isa)
-    args = gen.fill_tree_defaults(gen.build_parser().parse_args([]), weights, device)
+    parse = gen.build_parser().parse_args
+    args = gen.fill_tree_defaults(parse([]), weights, device)
     assert (args.depth, args.draft_top_k, args.total_tokens, args.speculate_k) == (
         tree["depth"], tree["top_k"], tree["total_tokens"], tree["speculate_k"])
-    args = gen.fill_tree_defaults(gen.build_parser().parse_args(["--depth", "5", "--speculate_k", "2"]), weights,
-                                  device)
-    assert (args.depth, args.draft_top_k, args.speculate_k) == (5, tree["top_k"], 2)
-    assert gen.WIDE_TREE["total_tokens"] > gen.TREE["total_tokens"]
+    args = gen.fill_tree_defaults(parse(["--depth", "5", "--speculate_k", "2"]), weights, device)
+    assert (args.depth, args.draft_top_k, args.total_tokens, args.speculate_k) == (5, tree["top_k"],
+                                                                                   tree["total_tokens"], 2)
+    args = gen.fill_tree_defaults(parse(["--depth", "1"]), weights, device)  # one level: top_k nodes at most
+    assert args.total_tokens == min(tree["total_tokens"], tree["top_k"]) and gen.check_tree(args) is None
 
 
 # ---------------------------------------------------------------- batched decoding
