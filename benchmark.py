@@ -181,8 +181,9 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
                 dtype = DTYPES[weights if weights in DTYPES else args.dtype]
                 heads[weights] = (random_head(models[weights]) if draft == "random"
                                   else load_head(draft, models[weights], args.device, dtype))
-            drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], tree_args(args, weights))
-            drafters[spec] = gen.timed_drafter(models[weights], drafter, tree_args(args, weights), prompts[0][1])
+            sized = tree_args(args, weights)
+            drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], sized)
+            drafters[spec] = gen.timed_drafter(models[weights], drafter, sized, prompts[0][1])
             print(f"{spec}: {tree_summary(drafters[spec])}", file=sys.stderr)
     cache = max(len(ids) for _, ids in prompts) + args.max_new_tokens + max([d.headroom for d in drafters.values()] + [0]) + 1
     runners = {}

@@ -373,8 +373,7 @@ def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, n
     forward (the verify-cost curve); which wins depends on the hardware and the head, so each size generates
     `new_tokens` greedily from the prompt (interleaved, best of `rounds`). Run it before compiling: it times
     eager steps. Returns (best size, {size: (tokens/s, τ)})."""
-    pool = top_k + (depth - 1) * top_k ** 2
-    drafters = {n: Drafter(head, "dynamic", depth, top_k, n) for n in sizes if n <= pool}
+    drafters = {n: Drafter(head, "dynamic", depth, top_k, n) for n in sizes if n <= tree_pool(depth, top_k)}
     prompt = torch.tensor(prompt_ids, dtype=torch.int, device=head.fc.weight.device)
     model.setup_caches(1, len(prompt_ids) + new_tokens + max(d.headroom for d in drafters.values()) + 1)
     seconds_per_token, tau = {}, {}
@@ -614,7 +613,7 @@ def fill_tree_defaults(args, weights, device):
     for key, flag in TREE_FLAGS.items():
         if getattr(args, flag) is None:
             setattr(args, flag, tree[key])
-    if not given_total and 1 <= args.depth <= 16 and 1 <= args.draft_top_k <= 32:  # bad ones: check_tree says
+    if not given_total:  # (a bad --depth or --draft_top_k is what check_tree reports, before --total_tokens)
         args.total_tokens = min(args.total_tokens, tree_pool(args.depth, args.draft_top_k))
     return args
 
