@@ -13,7 +13,7 @@ the one-token decode step that would have computed it, in bf16, int8 and int4 as
 greedy EAGLE output equal plain decoding token for token in every precision.
 
 Three builds of the same loops, chosen at run time from what the CPU has: AVX-512 with BF16 dot products (Zen 4,
-Sapphire Rapids), AVX-512F, and AVX2 + FMA (most desktop CPUs); and where the CPU has AMX tiles (Xeons from Sapphire
+Zen 5, Sapphire Rapids), AVX-512F, and AVX2 + FMA (most desktop CPUs); and where the CPU has AMX tiles (Xeons from Sapphire
 Rapids on), bf16 weights go through the tiles, which make 16 rows cost about what one does (the tiles sum in their
 own order, so there every bf16 linear takes them, whatever M is). EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
