@@ -144,8 +144,8 @@ int amd_family() {  // the CPU family where it is AMD's (0x19: Zen 3 and Zen 4, 
 }
 bool prefetch_one_row() { return amd_family() == 0 || amd_family() >= 0x1A; }
 // One activation row against 8 weight rows at a time (Kernel::WIDE) fed Emerald Rapids' dot products (a one-row
-// LM head 2,143 -> 1,100-1,280 us); a Zen 5 runs 4 faster (one bf16 forward's linears 9.8 -> 8.2 ms, with the
-// prefetch), so it is Intel's only.
+// LM head 2,143 -> 1,100-1,280 us); a Zen 5 runs 4-row blocks faster (one bf16 forward's linears 9.8 -> 8.2 ms,
+// with the prefetch), so they are Intel's only.
 bool wide_one_row() { return amd_family() == 0; }
 
 inline void prefetch_ahead(const Lin& a, int64_t n0, int64_t kb) {  // blocks are one stream: block n0 / 4, step kb
