@@ -128,12 +128,15 @@ def benchmark_prompts() -> list:
 
 
 def load_examples(data, limit, skip=0):
-    """`limit` usable records of --data (JSONL) or of ShareGPT after the first `skip`, benchmark prompts excluded."""
+    """`limit` usable records of --data (JSONL, or JSONL.gz) or of ShareGPT after the first `skip`, benchmark prompts
+    excluded."""
     if data:
         path = Path(data)
         if not path.is_file():
             raise FileNotFoundError(f"--data file not found: {path}")
-        records = (json.loads(line) for line in path.open(encoding="utf-8") if line.strip())
+        import gzip  # a .gz file is read as it is: committed data stays small
+        f = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+        records = (json.loads(line) for line in f if line.strip())
     else:
         records = iter_json_list(sharegpt_path())
     banned = benchmark_prompts()
@@ -866,7 +869,7 @@ def main(argv=None):
     e = sub.add_parser("extract", help="run the target over the data and cache its features to disk")
     e.add_argument("--out", required=True, help="run directory (features go to OUT/features)")
     e.add_argument("--checkpoint", default=None, help="target checkpoint (default: SmolLM2-135M-Instruct)")
-    e.add_argument("--data", default=None, help="JSONL of conversations or texts (default: ShareGPT)")
+    e.add_argument("--data", default=None, help="JSONL (or .jsonl.gz) of conversations or texts (default: ShareGPT)")
     e.add_argument("--num_conversations", type=int, default=2000)
     e.add_argument("--skip_conversations", type=int, default=0, help="start after this many (a second pass)")
     e.add_argument("--shard_prefix", default="", help="name this pass's shards (e.g. sampled_): one run, several passes")

@@ -1,5 +1,6 @@
 """train.py: data loading and masking, batching, the loss, validation metrics, and `fit` end to end on a tiny
 target (features, checkpoints, resume after a real kill, DDP with two processes, bad inputs, --help)."""
+import gzip
 import json
 import os
 import shutil
@@ -79,6 +80,10 @@ def test_load_examples_from_jsonl_drops_benchmark_prompts(tmp_path, monkeypatch)
     assert [i for i, _ in got] == ["a", "1", "2"]  # records without an id are numbered as kept
     assert got[2][1] == "just text"
     assert [i for i, _ in train.load_examples(str(data), 2)] == ["a", "1"]
+    packed = tmp_path / "d.jsonl.gz"  # committed data is gzipped: read as it is
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write(data.read_text())
+    assert train.load_examples(str(packed), 100) == got
     with pytest.raises(FileNotFoundError, match="--data"):
         train.load_examples(str(tmp_path / "missing.jsonl"), 10)
 
