@@ -17,6 +17,7 @@ distributions of the target feature (soft labels) and the predicted one, on mask
 noise U(-0.1, 0.1) on the input features. AdamW (0.9, 0.95), linear warm-up, gradient clipping 0.5.
 """
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -110,7 +111,6 @@ def normalise(record):
 def benchmark_prompts() -> list:
     """First turns of MT-bench and HumanEval prompts, where their packages are installed, to keep them out of
     the training data."""
-    import gzip
     import importlib.util
     prompts = []
     spec = importlib.util.find_spec("flexeval")
@@ -127,6 +127,19 @@ def benchmark_prompts() -> list:
     return [" ".join(p.split())[:120] for p in prompts if len(p.strip()) >= 20]
 
 
+def read_jsonl(path: Path):
+    """The records of a JSONL file, one a line (.gz: gzipped, read as it is, so committed data stays small); a file
+    that is not one is a ValueError naming it, not a traceback from the reader."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+    except (OSError, EOFError, ValueError) as e:  # not gzip, cut short, not UTF-8, not JSON
+        raise ValueError(f"--data {path}: not a JSONL file{' (gzipped)' if path.suffix == '.gz' else ''}: {e}") from None
+
+
 def load_examples(data, limit, skip=0):
     """`limit` usable records of --data (JSONL, or JSONL.gz) or of ShareGPT after the first `skip`, benchmark prompts
     excluded."""
@@ -134,9 +147,7 @@ def load_examples(data, limit, skip=0):
         path = Path(data)
         if not path.is_file():
             raise FileNotFoundError(f"--data file not found: {path}")
-        import gzip  # a .gz file is read as it is: committed data stays small
-        f = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
-        records = (json.loads(line) for line in f if line.strip())
+        records = read_jsonl(path)
     else:
         records = iter_json_list(sharegpt_path())
     banned = benchmark_prompts()

@@ -84,6 +84,9 @@ def test_load_examples_from_jsonl_drops_benchmark_prompts(tmp_path, monkeypatch)
     with gzip.open(packed, "wt", encoding="utf-8") as f:
         f.write(data.read_text())
     assert train.load_examples(str(packed), 100) == got
+    (tmp_path / "bad.jsonl.gz").write_text("not gzip")  # a bad file: one clear error naming it
+    with pytest.raises(ValueError, match="bad.jsonl.gz: not a JSONL file"):
+        train.load_examples(str(tmp_path / "bad.jsonl.gz"), 10)
     with pytest.raises(FileNotFoundError, match="--data"):
         train.load_examples(str(tmp_path / "missing.jsonl"), 10)
 
