@@ -195,6 +195,10 @@ class Transformer(nn.Module):
             mask = self.causal_mask[input_pos]
         freqs_cis = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
         mask = mask[:, None] if mask.dim() == 3 else mask[None, None]  # (1 or B, 1, T, S)
+        if idx.shape[1] > SMALL_T and not torch.compiler.is_compiling():
+            # a prefill: no query sees a slot past the last it writes, so attention reads only the cache up to there
+            # (a 265-token prompt in a cache of 1,032: SDPA 4x faster). One host sync, in a call that runs once.
+            mask = mask[..., :int(input_pos.max()) + 1]
         x = self.tok_embeddings(idx)
         hidden = []
         for i, layer in enumerate(self.layers):
@@ -247,6 +251,7 @@ class Attention(nn.Module):
         # q: (B, n_head, T, head_dim); k, v: (B, n_kv, T, head_dim)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, head_dim)
+            k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]  # the slots the mask can show (a prefill's few)
         if T <= kernels.MAX_M and not q.requires_grad and kernels.attention_takes(q, k):
             y = kernels.attention(q, k, v, mask[:, 0])  # each query row the same whatever T (and B) is
         elif T <= SMALL_T:

@@ -235,6 +235,7 @@ def extract(args):
     meta = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_len": args.max_len, "data": args.data or
             "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate,
             "regen_temperature": args.regen_temperature, "regen_turns": args.regen_turns,
+            "regen_max_prompt": args.regen_max_prompt,
             "feature_layers": list(default_feature_layers(model.config.n_layer)) if args.fused else None}
     meta_path = out / f"{args.shard_prefix}extract_config.json"
     meta_path.write_text(json.dumps(meta, indent=2))
@@ -314,8 +315,9 @@ def regenerate(model, tokenizer, examples, template, system, config, args):
                 turn[i] += 1
             ids = tokenizer.encode(apply_chat_template(out[i], template, system))
             answered = sum(m["role"] == "assistant" for m in out[i])
-            if turn[i] >= len(messages) or len(ids) >= args.max_len or 0 < args.regen_turns <= answered:
-                del turn[i]  # finished, long enough already, or answered as often as asked
+            if (turn[i] >= len(messages) or len(ids) >= args.max_len or 0 < args.regen_turns <= answered
+                    or 0 < args.regen_max_prompt < len(ids)):
+                del turn[i]  # finished, long enough already, answered as often as asked, or the prompt too long
                 continue
             pending.append((ids, i))
         if not pending:
@@ -895,6 +897,9 @@ def main(argv=None):
     e.add_argument("--regen_batch", type=int, default=16, help="conversations regenerated together")
     e.add_argument("--regen_turns", type=int, default=0,
                    help="replies regenerated per conversation, the rest of it dropped (0: all; 1: first turns only)")
+    e.add_argument("--regen_max_prompt", type=int, default=0,
+                   help="answer only prompts of at most this many tokens (0: any): a long prompt costs prefill "
+                        "time, not reply tokens")
     e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the batched decode step used by --regenerate (default: on)")
     e.add_argument("--fused", action="store_true",

@@ -630,7 +630,8 @@ def test_regenerate_replaces_each_reply_with_the_targets_own(real_model, real_to
              {"role": "assistant", "content": "Red."}]
     examples = [("a", convs[0]), ("b", convs[1]), ("t", "a plain text"), ("c", convs[2]), ("s", split)]
     # a batch of 2 for 3 conversations: the second round answers a's second turn beside c's first
-    args = argparse.Namespace(regen_batch=2, regen_tokens=6, regen_temperature=0.0, max_len=256, regen_turns=0)
+    args = argparse.Namespace(regen_batch=2, regen_tokens=6, regen_temperature=0.0, max_len=256, regen_turns=0,
+                              regen_max_prompt=0)
     config = real_model.checkpoint_config
     out = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, config, args)
     assert [i for i, _ in out] == ["a", "b", "t", "c", "s"] and out[2][1] == "a plain text"
@@ -663,11 +664,18 @@ def test_regenerate_batches_prompts_of_like_length(real_model, real_tokenizer, m
     words = [12, 1, 30, 5, 20, 3]  # prompt lengths out of order
     examples = [(f"e{i}", [{"role": "user", "content": "word " * n}, {"role": "assistant", "content": "x"}])
                 for i, n in enumerate(words)]
-    args = argparse.Namespace(regen_batch=2, regen_tokens=4, regen_temperature=0.0, max_len=256, regen_turns=1)
+    args = argparse.Namespace(regen_batch=2, regen_tokens=4, regen_temperature=0.0, max_len=256, regen_turns=1,
+                              regen_max_prompt=0)
     out = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, real_model.checkpoint_config, args)
     assert [i for i, _ in out] == [i for i, _ in examples]  # the conversations keep their order
     lengths = [n for call in calls for n in call]
     assert len(calls) == 3 and lengths == sorted(lengths)
+    # --regen_max_prompt: a prompt over the cap is not answered, and its conversation (no reply left) is dropped
+    args.regen_max_prompt = sorted(lengths)[3]
+    calls.clear()
+    capped = train.regenerate(real_model, real_tokenizer, examples, "chatml", None, real_model.checkpoint_config, args)
+    assert [n for call in calls for n in call] == sorted(lengths)[:4]
+    assert [i for i, _ in capped] == [i for i, n in zip([i for i, _ in examples], words) if n <= 12]
 
 
 def test_map_shard_reads_what_safetensors_wrote(tmp_path):
