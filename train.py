@@ -611,11 +611,11 @@ def ttt_accuracy(trainer, seqs, batch_size=8):
     return (hits / total.clamp(min=1)).tolist()
 
 
-def eagle3_head(target, train_seqs, args) -> Eagle3Head:
-    """An Eagle3Head for the target over its draft vocabulary: the most frequent assistant tokens."""
+def eagle3_head(target, train_seqs, args, keep=None) -> Eagle3Head:
+    """An Eagle3Head for the target over its draft vocabulary: the most frequent assistant tokens (keep's first)."""
     V = target.config.vocab_size
     size = min(args.draft_vocab or V, V)
-    vocab = frequent_tokens(train_seqs, size)
+    vocab = frequent_tokens(train_seqs, size, keep)
     if len(vocab) < size:  # fewer distinct tokens than asked: fill with the smallest unused ids
         unused = torch.ones(V, dtype=torch.bool)
         unused[vocab] = False
@@ -695,7 +695,10 @@ def fit(args):
             die("--head_ffn widens an EAGLE-1/2 head (--kind eagle)")
         if len(train_seqs[0]) < 5:
             die(f"{out / 'features'} has no fused features: extract them with `train.py extract --fused`")
-        head = eagle3_head(target, train_seqs, args)
+        start = load_start(args.init_head, target) if args.init_head else None
+        keep = (start.to_target(torch.arange(len(start.d2t), device=start.d2t.device)).cpu()
+                if isinstance(start, Eagle3Head) else None)  # its draft vocabulary, as target ids
+        head = eagle3_head(target, train_seqs, args, keep)  # a larger vocabulary than keep's grows it
     else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
         vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
         width = args.head_ffn or target.config.intermediate_size
@@ -704,7 +707,7 @@ def fit(args):
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
     if args.init_head and not (args.resume and (out / "train_state.pt").is_file()):
-        init_from(head, args.init_head, target)
+        init_from(head, args.init_head, target, start if args.kind == "eagle3" else None)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
     head.layer.attention.kv_cache = None  # training attends within each sequence, no cache
     global_batch = args.batch_size
@@ -813,14 +816,19 @@ def fit(args):
         dist.destroy_process_group()
 
 
-def init_from(head, head_dir, target):
-    """Start from a trained head's weights (e.g. the shipped one, to improve it on new data). An EAGLE-1/2 head keeps
-    the draft vocabulary counted on this run's data (its LM head is the target's); an EAGLE-3 head's LM head rows
-    belong to its own vocabulary, so that comes with them (d2t)."""
+def load_start(head_dir, target):
+    """The --init_head head, or one clear error line."""
     try:
-        start = load_head(head_dir, target)
+        return load_head(head_dir, target)
     except (FileNotFoundError, ValueError, KeyError) as e:
         die(f"--init_head {head_dir}: {e}")
+
+
+def init_from(head, head_dir, target, start=None):
+    """Start from a trained head's weights (e.g. the shipped one, to improve it on new data). An EAGLE-1/2 head keeps
+    the draft vocabulary counted on this run's data (its LM head is the target's); an EAGLE-3 head's LM head rows
+    belong to its own vocabulary, so that comes with them (d2t), grown by a larger --draft_vocab (see grow_vocab)."""
+    start = start if start is not None else load_start(head_dir, target)
     if type(start) is not type(head):
         die(f"--init_head {head_dir} is a {type(start).__name__}, this run trains a {type(head).__name__} (--kind)")
     own = head.state_dict()
@@ -830,12 +838,14 @@ def init_from(head, head_dir, target):
     ffn = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
     fits = lambda k, v: own[k].shape == v.shape or (  # noqa: E731
         k.endswith(ffn) and own[k].dim() == v.dim() and all(a >= b for a, b in zip(own[k].shape, v.shape)))
+    if "d2t" in weights and len(own["d2t"]) < len(weights["d2t"]):  # EAGLE-3: its LM head rows are its vocabulary
+        die(f"--init_head {head_dir} drafts over {len(weights['d2t'])} tokens, this run over {len(own['d2t'])} "
+            f"(--draft_vocab): a draft vocabulary can grow, not shrink")
+    if "d2t" in weights and len(own["d2t"]) > len(weights["d2t"]):
+        weights = grow_vocab(weights, start, head, target)
     bad = [k for k, v in weights.items() if k not in own or not fits(k, v)]
     if bad:
         die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")
-    if "d2t" in weights and own["d2t"].shape != weights["d2t"].shape:  # EAGLE-3: its LM head rows are its vocabulary
-        die(f"--init_head {head_dir} drafts over {len(weights['d2t'])} tokens, this run over {len(own['d2t'])} "
-            f"(--draft_vocab)")
     with torch.no_grad():
         for k, v in weights.items():
             if own[k].shape != v.shape and k.endswith("w2.weight"):
@@ -844,11 +854,31 @@ def init_from(head, head_dir, target):
     print(f"initialised from {head_dir}", file=sys.stderr)
 
 
-def frequent_tokens(seqs, size):
-    """The `size` target ids that appear most often among the assistant (loss) tokens of seqs."""
-    counts = torch.zeros(max(int(s[0].max()) for s in seqs) + 1, dtype=torch.long)
+def grow_vocab(weights, start, head, target):
+    """start's weights for head, whose draft vocabulary holds start's and more tokens (eagle3_head's keep): start's
+    tokens keep their LM head rows; an added token's row starts as the target's LM head row for it, mapped by the
+    least-squares linear map that takes the target's rows of start's tokens closest to start's rows."""
+    old_ids = start.to_target(torch.arange(len(start.d2t), device=start.d2t.device))  # (V_old,) target ids
+    new_ids = head.to_target(torch.arange(len(head.d2t), device=head.d2t.device))  # (V_new,) sorted, ⊇ old_ids
+    rows = torch.searchsorted(new_ids, old_ids)
+    assert torch.equal(new_ids[rows.clamp(max=len(new_ids) - 1)], old_ids), "the grown vocabulary lost a token"
+    trained, target_rows = weights["lm_head.weight"], target.output.weight.detach().float()
+    fit = torch.linalg.lstsq(target_rows[old_ids], trained.float()).solution  # (target dim, head dim)
+    lm_head = target_rows[new_ids] @ fit
+    lm_head[rows] = trained.float()
+    print(f"draft vocabulary grown from {len(old_ids)} to {len(new_ids)} tokens", file=sys.stderr)
+    return {**weights, "lm_head.weight": lm_head.to(trained.dtype), "d2t": head.d2t}
+
+
+def frequent_tokens(seqs, size, keep=None):
+    """The `size` target ids that appear most often among the assistant (loss) tokens of seqs; the ids in keep
+    (if given) come first, whatever their counts."""
+    n = max(max(int(s[0].max()) for s in seqs), -1 if keep is None else int(keep.max())) + 1
+    counts = torch.zeros(n, dtype=torch.long)
     for tok, _, m, *_ in seqs:
         counts.index_add_(0, tok[m.bool()], torch.ones(int(m.sum()), dtype=torch.long))
+    if keep is not None:
+        counts[keep] += counts.sum() + 1
     return counts.topk(min(size, len(counts))).indices.sort().values
 
 
@@ -926,7 +956,8 @@ def main(argv=None):
     f.add_argument("--ce_weight", type=float, default=None,
                    help="eagle: weight of the token loss beside the feature regression (default EAGLE's 0.1)")
     f.add_argument("--draft_vocab", type=int, default=8192,
-                   help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152)")
+                   help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152); "
+                        "more than an EAGLE-3 --init_head's grows its vocabulary")
     f.add_argument("--save_every", type=int, default=50)
     f.add_argument("--resume", action="store_true")
     f.add_argument("--init_head", default=None, help="start from this trained head's weights (same kind and target)")

@@ -913,6 +913,37 @@ def test_eagle3_fit_continues_a_head_over_its_own_vocabulary(tmp_path):
     assert torch.equal(trained.d2t, start.d2t) and not torch.equal(trained.lm_head.weight, start.lm_head.weight)
 
 
+def test_eagle3_fit_grows_a_heads_vocabulary(tmp_path, capsys):
+    """--init_head with a larger --draft_vocab: the started head's tokens all stay, with their LM head rows, so over
+    them the grown head scores exactly as the started one; the added tokens are this run's most frequent others, with
+    rows mapped from the target's. A smaller --draft_vocab is one clear error."""
+    model = make_tiny_model(n_layer=4)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({**model.config.to_dict(), "stop_token_ids": [],
+                                                  "chat_template": "none"}))
+    target = load_model(ckpt, pack=False)
+    first, more = fused_run(tmp_path / "first", target, ckpt, range(9)), fused_run(tmp_path / "more", target, ckpt, range(9, 30))
+    args = ["fit", "--kind", "eagle3", "--epochs", "1", "--batch_size", "4", "--warmup", "1", "--no_eval"]
+    train.main([*args, "--out", str(first), "--draft_vocab", "16"])
+    train.main([*args, "--out", str(more), "--lr", "0", "--init_head", str(first / "head"), "--draft_vocab", "40"])
+    start, grown = load_head(first / "head", target), load_head(more / "head", target)
+    old_ids, new_ids = start.to_target(torch.arange(16)), grown.to_target(torch.arange(40))
+    assert len(set(new_ids.tolist())) == 40 and set(old_ids.tolist()) <= set(new_ids.tolist())
+    added = [t for t in new_ids.tolist() if t not in set(old_ids.tolist())]
+    seqs = train.load_features(more)[0]
+    counts = torch.bincount(torch.cat([s[0][s[2].bool()] for s in seqs]).long(), minlength=target.config.vocab_size)
+    assert counts[added].min() >= counts[[t for t in range(target.config.vocab_size) if t not in new_ids]].max()
+    hidden = torch.randn(5, grown.config.dim)
+    rows = torch.searchsorted(new_ids, old_ids)
+    torch.testing.assert_close(grown.draft_logits(hidden)[:, rows], start.draft_logits(hidden))
+    assert grown.lm_head.weight.isfinite().all() and not (grown.lm_head.weight == 0).all(-1).any()
+    code, err = exit_code_and_stderr([*args, "--out", str(tmp_path / "more"), "--init_head", str(more / "head"),
+                                      "--draft_vocab", "16"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "can grow, not shrink" in err
+
+
 def test_fit_eagle3_needs_fused_features(tiny_run, tmp_path, capsys):
     out = fresh_run(tiny_run, tmp_path, "e3")
     code, err = exit_code_and_stderr(["fit", "--out", str(out), "--kind", "eagle3"], capsys)
