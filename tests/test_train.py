@@ -888,10 +888,8 @@ def fused_run(root, target, ckpt, seeds):
     return root
 
 
-def test_eagle3_fit_continues_a_head_over_its_own_vocabulary(tmp_path):
-    """--init_head with an EAGLE-3 head on new data: the head's LM head rows are its draft vocabulary, so the run
-    keeps the head's vocabulary (d2t) rather than the one counted on the new data, and trains over those rows."""
-    from eagle_head import Eagle3Head
+def two_fused_runs(tmp_path):
+    """A tiny target's checkpoint and two fused runs over different sequences: (target, first run, more run)."""
     model = make_tiny_model(n_layer=4)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -900,6 +898,14 @@ def test_eagle3_fit_continues_a_head_over_its_own_vocabulary(tmp_path):
                                                   "chat_template": "none"}))
     target = load_model(ckpt, pack=False)
     first, more = fused_run(tmp_path / "first", target, ckpt, range(9)), fused_run(tmp_path / "more", target, ckpt, range(9, 30))
+    return target, first, more
+
+
+def test_eagle3_fit_continues_a_head_over_its_own_vocabulary(tmp_path):
+    """--init_head with an EAGLE-3 head on new data: the head's LM head rows are its draft vocabulary, so the run
+    keeps the head's vocabulary (d2t) rather than the one counted on the new data, and trains over those rows."""
+    from eagle_head import Eagle3Head
+    target, first, more = two_fused_runs(tmp_path)
     args = ["fit", "--kind", "eagle3", "--epochs", "1", "--batch_size", "4", "--warmup", "1", "--no_eval",
             "--draft_vocab", "16"]
     train.main([*args, "--out", str(first)])
@@ -917,14 +923,7 @@ def test_eagle3_fit_grows_a_heads_vocabulary(tmp_path, capsys):
     """--init_head with a larger --draft_vocab: the started head's tokens all stay, with their LM head rows, so over
     them the grown head scores exactly as the started one; the added tokens are this run's most frequent others, with
     rows mapped from the target's. A smaller --draft_vocab is one clear error."""
-    model = make_tiny_model(n_layer=4)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "config.json").write_text(json.dumps({**model.config.to_dict(), "stop_token_ids": [],
-                                                  "chat_template": "none"}))
-    target = load_model(ckpt, pack=False)
-    first, more = fused_run(tmp_path / "first", target, ckpt, range(9)), fused_run(tmp_path / "more", target, ckpt, range(9, 30))
+    target, first, more = two_fused_runs(tmp_path)
     args = ["fit", "--kind", "eagle3", "--epochs", "1", "--batch_size", "4", "--warmup", "1", "--no_eval"]
     train.main([*args, "--out", str(first), "--draft_vocab", "16"])
     train.main([*args, "--out", str(more), "--lr", "0", "--init_head", str(first / "head"), "--draft_vocab", "40"])
