@@ -611,6 +611,11 @@ def ttt_accuracy(trainer, seqs, batch_size=8):
     return (hits / total.clamp(min=1)).tolist()
 
 
+def target_ids(head: Eagle3Head) -> Tensor:
+    """An EAGLE-3 head's draft vocabulary as target ids (V_d,), in draft id order."""
+    return head.to_target(torch.arange(len(head.d2t), device=head.d2t.device))
+
+
 def eagle3_head(target, train_seqs, args, keep=None) -> Eagle3Head:
     """An Eagle3Head for the target over its draft vocabulary: the most frequent assistant tokens (keep's first)."""
     V = target.config.vocab_size
@@ -635,7 +640,7 @@ def eagle3_setup(target, train_seqs, args):
 def ttt_trainer(head: Eagle3Head, target, steps: int) -> TrainingTimeTest:
     """The training-time test of an EAGLE-3 head over its own draft vocabulary (d2t): the target's LM-head rows of
     those tokens and which target ids they are."""
-    vocab = head.to_target(torch.arange(len(head.d2t), device=head.d2t.device))  # (V_d,) target ids
+    vocab = target_ids(head)
     in_vocab = torch.zeros(target.config.vocab_size, dtype=torch.bool, device=vocab.device)
     in_vocab[vocab] = True
     return TrainingTimeTest(head, steps, target.output.weight.detach()[vocab], in_vocab)
@@ -690,14 +695,14 @@ def fit(args):
     train_seqs, val_seqs = load_features(out, fused=args.kind == "eagle3")
     if args.max_train_seqs:
         train_seqs = train_seqs[:args.max_train_seqs]
+    resuming = args.resume and (out / "train_state.pt").is_file()
+    start = load_start(args.init_head, target) if args.init_head and not resuming else None
     if args.kind == "eagle3":
         if args.head_ffn:
             die("--head_ffn widens an EAGLE-1/2 head (--kind eagle)")
         if len(train_seqs[0]) < 5:
             die(f"{out / 'features'} has no fused features: extract them with `train.py extract --fused`")
-        start = load_start(args.init_head, target) if args.init_head else None
-        keep = (start.to_target(torch.arange(len(start.d2t), device=start.d2t.device)).cpu()
-                if isinstance(start, Eagle3Head) else None)  # its draft vocabulary, as target ids
+        keep = target_ids(start).cpu() if isinstance(start, Eagle3Head) else None
         head = eagle3_head(target, train_seqs, args, keep)  # a larger vocabulary than keep's grows it
     else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
         vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
@@ -706,8 +711,8 @@ def fit(args):
                          draft_vocab_size=0 if vocab is None else len(vocab))
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
-    if args.init_head and not (args.resume and (out / "train_state.pt").is_file()):
-        init_from(head, args.init_head, target, start if args.kind == "eagle3" else None)
+    if start is not None:
+        init_from(head, start, args.init_head, target)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
     head.layer.attention.kv_cache = None  # training attends within each sequence, no cache
     global_batch = args.batch_size
@@ -824,11 +829,10 @@ def load_start(head_dir, target):
         die(f"--init_head {head_dir}: {e}")
 
 
-def init_from(head, head_dir, target, start=None):
+def init_from(head, start, head_dir, target):
     """Start from a trained head's weights (e.g. the shipped one, to improve it on new data). An EAGLE-1/2 head keeps
     the draft vocabulary counted on this run's data (its LM head is the target's); an EAGLE-3 head's LM head rows
     belong to its own vocabulary, so that comes with them (d2t), grown by a larger --draft_vocab (see grow_vocab)."""
-    start = start if start is not None else load_start(head_dir, target)
     if type(start) is not type(head):
         die(f"--init_head {head_dir} is a {type(start).__name__}, this run trains a {type(head).__name__} (--kind)")
     own = head.state_dict()
@@ -858,8 +862,7 @@ def grow_vocab(weights, start, head, target):
     """start's weights for head, whose draft vocabulary holds start's and more tokens (eagle3_head's keep): start's
     tokens keep their LM head rows; an added token's row starts as the target's LM head row for it, mapped by the
     least-squares linear map that takes the target's rows of start's tokens closest to start's rows."""
-    old_ids = start.to_target(torch.arange(len(start.d2t), device=start.d2t.device))  # (V_old,) target ids
-    new_ids = head.to_target(torch.arange(len(head.d2t), device=head.d2t.device))  # (V_new,) sorted, ⊇ old_ids
+    old_ids, new_ids = target_ids(start), target_ids(head)  # (V_old,), (V_new,) sorted, ⊇ old_ids
     rows = torch.searchsorted(new_ids, old_ids)
     assert torch.equal(new_ids[rows.clamp(max=len(new_ids) - 1)], old_ids), "the grown vocabulary lost a token"
     trained, target_rows = weights["lm_head.weight"], target.output.weight.detach().float()
