@@ -726,7 +726,7 @@ def fit(args):
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     state_path = out / "train_state.pt"
     step = 0
-    if args.resume and state_path.is_file():
+    if resuming:
         state = torch.load(state_path, map_location="cpu", weights_only=True)
         try:
             head.load_state_dict(state["head"])
