@@ -125,7 +125,8 @@ class EagleHead(nn.Module):
         if not dtype.is_floating_point:
             dtype = self.layer.ffn_norm.weight.dtype
         c = self.config
-        self.layer.attention.kv_cache = KVCache(1, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+        for layer in self.layers():
+            layer.attention.kv_cache = KVCache(1, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
         freqs = precompute_freqs_cis(max(c.block_size, max_seq_length), c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
 
@@ -134,6 +135,9 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([self.embed(tokens).to(features.dtype), features], dim=-1))
         freqs = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
         return self.layer(x, input_pos, freqs, mask[None, None])
+
+    def layers(self):
+        return [self.layer]
 
 
 class Eagle3Layer(nn.Module):
@@ -162,15 +166,18 @@ class Eagle3Head(nn.Module):
     feature_layers, 3 x target dim concatenated) into one feature g; Eagle3Layer reads [embed(x_{t+1}), g]; its own
     final norm and LM head score a draft vocabulary, whose ids map to the target's as id + d2t[id]. The layer's
     pre-norm output is what the next draft step reads as its feature (fc is only for the target's), so drafting
-    (head_update, draft_dynamic, draft_static) runs it exactly as an EAGLE-1/2 head. The embedding is the target's."""
+    (head_update, draft_dynamic, draft_static) runs it exactly as an EAGLE-1/2 head. The embedding is the target's.
+    extra_layers plain decoder layers may follow the EAGLE-3 layer (a deeper head, this project's option; published
+    heads have none): what they output is then the head's output."""
     kind = "eagle3"
 
     def __init__(self, config: ModelArgs, target_dim: int, feature_layers, draft_vocab_size: int,
-                 norm_before_residual: bool = False):
+                 norm_before_residual: bool = False, extra_layers: int = 0):
         super().__init__()
         self.config, self.target_dim, self.feature_layers = config, target_dim, tuple(feature_layers)
         self.fc = Linear(3 * target_dim, config.dim, bias=False)
         self.layer = Eagle3Layer(config, norm_before_residual)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(extra_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = Linear(config.dim, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))  # target id - draft id
@@ -214,8 +221,14 @@ class Eagle3Head(nn.Module):
         """tokens (1, T); features (1, T, 3 x target dim) from the target, or (1, T, dim) the head's own previous
         output -> the layer's output (1, T, dim), before the final norm."""
         g = self.fc(features) if features.shape[-1] != self.config.dim else features
-        freqs = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
-        return self.layer(self.embed(tokens).to(g.dtype), g, input_pos, freqs, mask[None, None])
+        freqs, mask = self.freqs_cis[input_pos if rope_pos is None else rope_pos], mask[None, None]
+        h = self.layer(self.embed(tokens).to(g.dtype), g, input_pos, freqs, mask)
+        for block in self.blocks:
+            h = block(h, input_pos, freqs, mask)
+        return h
+
+    def layers(self):
+        return [self.layer, *self.blocks]
 
 
 def default_feature_layers(n_layer: int):
@@ -397,7 +410,8 @@ def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
     if head.kind == "eagle3":
         config = {**head.config.to_dict(), "kind": "eagle3", "target": target_info, "target_dim": head.target_dim,
                   "feature_layers": list(head.feature_layers), "draft_vocab_size": len(head.d2t),
-                  "norm_before_residual": head.layer.norm_before_residual, **(extra or {})}
+                  "norm_before_residual": head.layer.norm_before_residual, "extra_layers": len(head.blocks),
+                  **(extra or {})}
     else:
         config = {**head.config.to_dict(), "bias": head.bias, "target": target_info,
                   "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab), **(extra or {})}
@@ -444,7 +458,7 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
         weights = _load_weights(path / weights_file)
         if config.get("kind") == "eagle3":
             head = Eagle3Head(args, config["target_dim"], config["feature_layers"], config["draft_vocab_size"],
-                              config.get("norm_before_residual", False))
+                              config.get("norm_before_residual", False), config.get("extra_layers", 0))
         else:
             head = EagleHead(args, bias=config.get("bias", True), draft_vocab_size=len(weights.get("draft_vocab", ())))
     elif (path / "config.json").is_file() and weights_file != HEAD_FILE:
@@ -579,15 +593,17 @@ def _official_eagle3(path, hf, raw, args, target, prefix, speculators):
     return head, weights
 
 
-def random_head(target, seed=0, scale=1.0, kind="eagle", draft_vocab_size=None):
+def random_head(target, seed=0, scale=1.0, kind="eagle", draft_vocab_size=None, extra_layers=0):
     """An untrained head (for tests and for measuring the machinery): output is still exact, acceptance low.
-    kind "eagle3": an Eagle3Head over a draft vocabulary of the draft_vocab_size target ids spread evenly."""
+    kind "eagle3": an Eagle3Head (with extra_layers) over a draft vocabulary of the draft_vocab_size target ids
+    spread evenly."""
     torch.manual_seed(seed)
     config = head_config_from_target(target.config)
     if kind == "eagle3":
         V = target.config.vocab_size
         n = draft_vocab_size or V
-        head = Eagle3Head(config, target.config.dim, default_feature_layers(target.config.n_layer), n)
+        head = Eagle3Head(config, target.config.dim, default_feature_layers(target.config.n_layer), n,
+                          extra_layers=extra_layers)
         head.d2t.copy_(torch.linspace(0, V - 1, n).long() - torch.arange(n))
     else:
         head = EagleHead(config)

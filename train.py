@@ -566,13 +566,17 @@ class TrainingTimeTest(nn.Module):
         head, layer = self.head, self.head.layer
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         g, keys, values, outs = head.fc(fused), [], [], []
+        block_kv = [([], []) for _ in head.blocks]
         for k in range(self.steps):
             normed = layer.hidden_norm(g)
             x = torch.cat([layer.input_norm(head.embed(shift(tokens, k)).to(g.dtype)), normed], -1)
             h = (normed if layer.norm_before_residual else g) + unrolled_attention(layer.attention, x, head.freqs_cis,
                                                                                     pos + k, keys, values)
-            g = h + layer.feed_forward(layer.ffn_norm(h))  # the next step reads this step's output
-            outs.append(g)
+            g = h + layer.feed_forward(layer.ffn_norm(h))
+            for block, (ks, vs) in zip(head.blocks, block_kv):  # a deeper head's plain layers, each its own keys
+                h = g + unrolled_attention(block.attention, block.attention_norm(g), head.freqs_cis, pos + k, ks, vs)
+                g = h + block.feed_forward(block.ffn_norm(h))
+            outs.append(g)  # the next step reads this step's output
         return outs
 
     def forward(self, tokens, fused, finals, top1, mask):
@@ -616,8 +620,9 @@ def target_ids(head: Eagle3Head) -> Tensor:
     return head.to_target(torch.arange(len(head.d2t), device=head.d2t.device))
 
 
-def eagle3_head(target, train_seqs, args, keep=None) -> Eagle3Head:
-    """An Eagle3Head for the target over its draft vocabulary: the most frequent assistant tokens (keep's first)."""
+def eagle3_head(target, train_seqs, args, keep=None, layers=1) -> Eagle3Head:
+    """An Eagle3Head of `layers` decoder layers for the target over its draft vocabulary: the most frequent assistant
+    tokens (keep's first)."""
     V = target.config.vocab_size
     size = min(args.draft_vocab or V, V)
     vocab = frequent_tokens(train_seqs, size, keep)
@@ -626,7 +631,7 @@ def eagle3_head(target, train_seqs, args, keep=None) -> Eagle3Head:
         unused[vocab] = False
         vocab = torch.cat([vocab, unused.nonzero().view(-1)[:size - len(vocab)]]).sort().values
     head = Eagle3Head(head_config_from_target(target.config), target.config.dim,
-                      default_feature_layers(target.config.n_layer), size)
+                      default_feature_layers(target.config.n_layer), size, extra_layers=layers - 1)
     head.d2t.copy_(vocab - torch.arange(size))
     return head.to(args.device).attach(target)
 
@@ -674,8 +679,8 @@ def run_checkpoint(checkpoint, out: Path) -> Path:
 
 def fit(args):
     from tqdm import tqdm
-    if args.head_ffn < 0:
-        die(f"--head_ffn {args.head_ffn}: a width must be positive")
+    if args.head_ffn < 0 or args.head_layers < 0:
+        die(f"--head_ffn {args.head_ffn}, --head_layers {args.head_layers}: a size must be positive")
     if args.kind == "eagle3" and args.ce_weight is not None:  # EAGLE-3 trains on the token loss alone
         die("--ce_weight weighs the token loss beside EAGLE-1/2's feature regression (--kind eagle)")
     args.ce_weight = 0.1 if args.ce_weight is None else args.ce_weight
@@ -697,13 +702,16 @@ def fit(args):
         train_seqs = train_seqs[:args.max_train_seqs]
     resuming = args.resume and (out / "train_state.pt").is_file()
     start = load_start(args.init_head, target) if args.init_head and not resuming else None
+    if args.kind != "eagle3" and args.head_layers:
+        die("--head_layers deepens an EAGLE-3 head (--kind eagle3)")
     if args.kind == "eagle3":
         if args.head_ffn:
             die("--head_ffn widens an EAGLE-1/2 head (--kind eagle)")
         if len(train_seqs[0]) < 5:
             die(f"{out / 'features'} has no fused features: extract them with `train.py extract --fused`")
         keep = target_ids(start).cpu() if isinstance(start, Eagle3Head) else None
-        head = eagle3_head(target, train_seqs, args, keep)  # a larger vocabulary than keep's grows it
+        layers = args.head_layers or (len(start.layers()) if isinstance(start, Eagle3Head) else 1)
+        head = eagle3_head(target, train_seqs, args, keep, layers)  # larger than start's vocabulary or layers grows it
     else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
         vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
         width = args.head_ffn or target.config.intermediate_size
@@ -714,7 +722,8 @@ def fit(args):
     if start is not None:
         init_from(head, start, args.init_head, target)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
-    head.layer.attention.kv_cache = None  # training attends within each sequence, no cache
+    for layer in head.layers():
+        layer.attention.kv_cache = None  # training attends within each sequence, no cache
     global_batch = args.batch_size
     if global_batch % world:
         die(f"--batch_size {global_batch} must be a multiple of the number of processes {world}")
@@ -731,7 +740,8 @@ def fit(args):
         try:
             head.load_state_dict(state["head"])
         except RuntimeError:
-            die(f"{state_path} holds a head of another shape: resume with the options it started with (--head_ffn)")
+            die(f"{state_path} holds a head of another shape: resume with the options it started with "
+                f"(--head_ffn, --head_layers)")
         if args.kind != "eagle3":
             head.set_draft_vocab(head.draft_vocab)  # re-cut the LM head rows for the restored vocabulary
         opt.load_state_dict(state["optimizer"])
@@ -847,9 +857,16 @@ def init_from(head, start, head_dir, target):
             f"(--draft_vocab): a draft vocabulary can grow, not shrink")
     if "d2t" in weights and len(own["d2t"]) > len(weights["d2t"]):
         weights = grow_vocab(weights, start, head, target)
+    if len(start.layers()) > len(head.layers()):
+        die(f"--init_head {head_dir} has {len(start.layers())} decoder layers, this run {len(head.layers())} "
+            f"(--head_layers): a head can gain layers, not lose them")
     bad = [k for k, v in weights.items() if k not in own or not fits(k, v)]
     if bad:
         die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")
+    with torch.no_grad():  # layers start has not: their outputs start at zero, so each passes its input through
+        for k in own.keys() - weights.keys():
+            if k.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                own[k].zero_()
     with torch.no_grad():
         for k, v in weights.items():
             if own[k].shape != v.shape and k.endswith("w2.weight"):
@@ -956,6 +973,9 @@ def main(argv=None):
                         "eagle default 1 (plain EAGLE training), 2+ trains it on its own outputs too")
     f.add_argument("--head_ffn", type=int, default=0,
                    help="eagle: the head's MLP width (default: the target's); wider than --init_head's grows it")
+    f.add_argument("--head_layers", type=int, default=0,
+                   help="eagle3: decoder layers (default: --init_head's, else 1, as published heads); more than "
+                        "--init_head's deepens it")
     f.add_argument("--ce_weight", type=float, default=None,
                    help="eagle: weight of the token loss beside the feature regression (default EAGLE's 0.1)")
     f.add_argument("--draft_vocab", type=int, default=8192,

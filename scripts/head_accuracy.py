@@ -86,7 +86,8 @@ def main():
     with torch.no_grad():
         for d, head in heads.items():
             head.setup_caches(max(len(s[0]) for s in val) + 64)
-            head.layer.attention.kv_cache = None  # whole sequences, as in training
+            for layer in head.layers():
+                layer.attention.kv_cache = None  # whole sequences, as in training
             if isinstance(head, EagleHead):
                 acc = multi_step_accuracy(head, val, args.steps, args.starts_per_seq)
             else:

@@ -20,9 +20,11 @@ def greedy(model, prompt, n=60, **kw):
 
 
 @pytest.mark.parametrize("kind, kw", TREES)
-def test_eagle3_drafts_are_verified_losslessly(kind, kw):
+@pytest.mark.parametrize("extra_layers", [0, 1])
+def test_eagle3_drafts_are_verified_losslessly(kind, kw, extra_layers):
     model = make_tiny_model()
-    drafter = Drafter(random_head(model, seed=1, kind="eagle3", draft_vocab_size=48), kind, **kw)
+    drafter = Drafter(random_head(model, seed=1, kind="eagle3", draft_vocab_size=48, extra_layers=extra_layers),
+                      kind, **kw)
     for prompt in ([1, 2, 3, 4, 5], list(range(30, 60))):
         plain, _ = greedy(model, prompt)
         spec, stats = greedy(model, prompt, draft=drafter)
@@ -118,13 +120,16 @@ def test_eagle3_head_for_another_target_is_refused(tmp_path):
         load_head(tmp_path / "h", model)
 
 
-def test_eagle3_project_layout_round_trip(tmp_path):
+@pytest.mark.parametrize("extra_layers", [0, 2])
+def test_eagle3_project_layout_round_trip(tmp_path, extra_layers):
     model = make_tiny_model(n_layer=9)
-    head = random_head(model, seed=5, kind="eagle3", draft_vocab_size=40)
+    head = random_head(model, seed=5, kind="eagle3", draft_vocab_size=40, extra_layers=extra_layers)
     save_head(head, tmp_path / "h", target_info(model))
     config = json.loads((tmp_path / "h" / "head_config.json").read_text())
     assert config["kind"] == "eagle3" and config["feature_layers"] == [2, 4, 6] and config["draft_vocab_size"] == 40
+    assert config["extra_layers"] == extra_layers
     loaded = load_head(tmp_path / "h", model)
+    assert loaded.state_dict().keys() == head.state_dict().keys()
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in head.state_dict().items())
     with pytest.raises(ValueError, match="trained for a target with n_layer=9"):
         load_head(tmp_path / "h", make_tiny_model(n_layer=8))

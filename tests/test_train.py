@@ -756,15 +756,17 @@ def assert_unrolled_as_drafted(head, tokens, features, outs):
         f = out
 
 
-def test_training_time_test_unrolls_exactly_as_the_head_drafts():
+@pytest.mark.parametrize("layers", [1, 3])
+def test_training_time_test_unrolls_exactly_as_the_head_drafts(layers):
     """Step k of the unrolled training forward, at every position t, equals what drafting computes there: the head
     run with its KV cache on its own step k-1 output, at RoPE position t + k, seeing the real features up to t and
     its own earlier steps at t (the drafting mask). This is what makes training-time test train the drafter that
-    runs."""
+    runs; a deeper head (--head_layers) too."""
     import argparse
     target = make_tiny_model(n_layer=4)
     seq = eagle3_sequence(target)
-    head, trainer = train.eagle3_setup(target, [seq], argparse.Namespace(draft_vocab=64, device="cpu", ttt_steps=3))
+    head = train.eagle3_head(target, [seq], argparse.Namespace(draft_vocab=64, device="cpu"), layers=layers)
+    trainer = train.ttt_trainer(head, target, 3)
     T = len(seq[0]) - 1
     head.setup_caches(4 * T + 8)
     tokens, fused, _, _, _ = train.make_batch3([seq])
@@ -941,6 +943,35 @@ def test_eagle3_fit_grows_a_heads_vocabulary(tmp_path, capsys):
     code, err = exit_code_and_stderr([*args, "--out", str(tmp_path / "more"), "--init_head", str(more / "head"),
                                       "--draft_vocab", "16"], capsys)
     assert code == 2 and err.count("\n") == 1 and "can grow, not shrink" in err
+
+
+def test_eagle3_fit_deepens_a_head(tmp_path, capsys):
+    """--init_head with a larger --head_layers: the started head's weights are kept and each added layer starts as
+    an identity (its attention and MLP outputs at zero), so the deeper head drafts exactly as the started one; then
+    training moves the new layers. Fewer layers than the started head's is one clear error."""
+    target, first, more = two_fused_runs(tmp_path)
+    args = ["fit", "--kind", "eagle3", "--epochs", "1", "--batch_size", "4", "--warmup", "1", "--no_eval",
+            "--draft_vocab", "16"]
+    train.main([*args, "--out", str(first)])
+    train.main([*args, "--out", str(more), "--lr", "0", "--init_head", str(first / "head"), "--head_layers", "2"])
+    start, deeper = load_head(first / "head", target), load_head(more / "head", target)
+    assert len(start.layers()) == 1 and len(deeper.layers()) == 2
+    assert json.loads((more / "head" / "head_config.json").read_text())["extra_layers"] == 1
+    seq = train.load_features(more)[0][0]
+    T = len(seq[0]) - 1
+    def drafted(head):  # the head over the sequence's real pairs, with its KV cache, as drafting runs it
+        head.setup_caches(T + 8)
+        with torch.no_grad():
+            return head(seq[0][None, 1:], seq[3][None, :-1].float(), torch.arange(T), torch.ones(T, T + 8).tril().bool())
+    torch.testing.assert_close(drafted(deeper), drafted(start))
+    train.main([*args, "--out", str(more), "--init_head", str(first / "head"), "--head_layers", "2"])
+    trained = load_head(more / "head", target)
+    assert trained.blocks[0].feed_forward.w2.weight.abs().sum() > 0
+    code, err = exit_code_and_stderr([*args, "--out", str(tmp_path / "more"), "--init_head", str(more / "head"),
+                                      "--head_layers", "1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "can gain layers, not lose them" in err
+    code, err = exit_code_and_stderr(["fit", "--out", str(first), "--head_layers", "2"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--kind eagle3" in err
 
 
 def test_fit_eagle3_needs_fused_features(tiny_run, tmp_path, capsys):
