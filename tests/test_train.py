@@ -962,7 +962,8 @@ def test_eagle3_fit_deepens_a_head(tmp_path, capsys):
     def drafted(head):  # the head over the sequence's real pairs, with its KV cache, as drafting runs it
         head.setup_caches(T + 8)
         with torch.no_grad():
-            return head(seq[0][None, 1:], seq[3][None, :-1].float(), torch.arange(T), torch.ones(T, T + 8).tril().bool())
+            causal = torch.ones(T, T + 8).tril().bool()
+            return head(seq[0][None, 1:], seq[3][None, :-1].float(), torch.arange(T), causal)
     torch.testing.assert_close(drafted(deeper), drafted(start))
     train.main([*args, "--out", str(more), "--init_head", str(first / "head"), "--head_layers", "2"])
     trained = load_head(more / "head", target)
