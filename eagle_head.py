@@ -219,7 +219,7 @@ class Eagle3Head(nn.Module):
 
     def forward(self, tokens: Tensor, features: Tensor, input_pos: Tensor, mask: Tensor, rope_pos: Tensor = None):
         """tokens (1, T); features (1, T, 3 x target dim) from the target, or (1, T, dim) the head's own previous
-        output -> the layer's output (1, T, dim), before the final norm."""
+        output -> the last layer's output (1, T, dim), before the final norm."""
         g = self.fc(features) if features.shape[-1] != self.config.dim else features
         freqs, mask = self.freqs_cis[input_pos if rope_pos is None else rope_pos], mask[None, None]
         h = self.layer(self.embed(tokens).to(g.dtype), g, input_pos, freqs, mask)

@@ -710,7 +710,7 @@ def fit(args):
         if len(train_seqs[0]) < 5:
             die(f"{out / 'features'} has no fused features: extract them with `train.py extract --fused`")
         keep = target_ids(start).cpu() if isinstance(start, Eagle3Head) else None
-        layers = args.head_layers or (len(start.layers()) if isinstance(start, Eagle3Head) else 1)
+        layers = args.head_layers or (len(start.layers()) if start is not None else 1)
         head = eagle3_head(target, train_seqs, args, keep, layers)  # larger than start's vocabulary or layers grows it
     else:  # the draft vocabulary: the most frequent assistant tokens of the training data (the same in every process)
         vocab = frequent_tokens(train_seqs, args.draft_vocab) if 0 < args.draft_vocab < target.config.vocab_size else None
@@ -863,11 +863,10 @@ def init_from(head, start, head_dir, target):
     bad = [k for k, v in weights.items() if k not in own or not fits(k, v)]
     if bad:
         die(f"--init_head {head_dir} does not fit this head: {', '.join(bad[:3])}")
-    with torch.no_grad():  # layers start has not: their outputs start at zero, so each passes its input through
-        for k in own.keys() - weights.keys():
+    with torch.no_grad():
+        for k in own.keys() - weights.keys():  # layers start has not: outputs at zero, so each passes its input on
             if k.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 own[k].zero_()
-    with torch.no_grad():
         for k, v in weights.items():
             if own[k].shape != v.shape and k.endswith("w2.weight"):
                 own[k].zero_()  # the new units' outputs; their w1 and w3 rows keep their random start
