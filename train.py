@@ -164,6 +164,9 @@ def load_examples(data, limit, skip=0):
         out.append((str(r.get("id", len(out))), ex))
         if len(out) >= limit + skip:
             break
+    if len(out) <= skip:  # a pass past the data's end would otherwise write an empty run and call it done
+        raise ValueError(f"{data or 'ShareGPT'} has {len(out)} usable records (benchmark prompts excluded): none "
+                         f"left after --skip_conversations {skip}")
     return out[skip:]
 
 
@@ -222,6 +225,7 @@ def atomic_save(tensors: dict, path: Path, metadata=None):
 @torch.no_grad()
 def extract(args):
     from tqdm import tqdm
+    examples = load_examples(args.data, args.num_conversations, args.skip_conversations)  # its errors come first
     out = Path(args.out)
     (out / "features").mkdir(parents=True, exist_ok=True)
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
@@ -232,7 +236,6 @@ def extract(args):
     tokenizer = get_tokenizer(checkpoint)
     config = model.checkpoint_config
     template, system = config.get("chat_template", "none"), config.get("default_system_prompt")
-    examples = load_examples(args.data, args.num_conversations, args.skip_conversations)
     meta = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_len": args.max_len, "data": args.data or
             "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate,
             "regen_temperature": args.regen_temperature, "regen_turns": args.regen_turns,

@@ -80,6 +80,12 @@ def test_load_examples_from_jsonl_drops_benchmark_prompts(tmp_path, monkeypatch)
     assert [i for i, _ in got] == ["a", "1", "2"]  # records without an id are numbered as kept
     assert got[2][1] == "just text"
     assert [i for i, _ in train.load_examples(str(data), 2)] == ["a", "1"]
+    assert [i for i, _ in train.load_examples(str(data), 100, skip=2)] == ["2"]
+    with pytest.raises(ValueError, match="has 3 usable records .* none left after --skip_conversations 3"):
+        train.load_examples(str(data), 100, skip=3)  # past the end: an error, not an empty pass
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="has 0 usable records"):
+        train.load_examples(str(tmp_path / "empty.jsonl"), 10)
     packed = tmp_path / "d.jsonl.gz"  # committed data is gzipped: read as it is
     with gzip.open(packed, "wt", encoding="utf-8") as f:
         f.write(data.read_text())
