@@ -201,25 +201,31 @@ def tokenize_example(ex, tokenizer, template, system, max_len):
 
 # ---------------------------------------------------------------- feature extraction
 
+def atomic_write(path: Path, write):
+    """write(tmp) fills a temporary file beside path, which then replaces path in one rename: a reader (or a resumed
+    run) sees the old file or the whole new one. World-readable: mkstemp's files are private."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    write(tmp)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
 def write_jsonl(path: Path, examples):
     """The regenerated conversations, kept beside the features (atomically), to read or to train on again."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for ex_id, ex in examples:
-            record = {"id": ex_id, "text": ex} if isinstance(ex, str) else {"id": ex_id, "conversations": ex}
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            for ex_id, ex in examples:
+                record = {"id": ex_id, "text": ex} if isinstance(ex, str) else {"id": ex_id, "conversations": ex}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    atomic_write(path, write)
 
 
 def atomic_save(tensors: dict, path: Path, metadata=None):
     from safetensors.torch import save_file
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata))
 
 
 @torch.no_grad()
@@ -947,11 +953,7 @@ def export(args):
     summary = run / "summary.json"
     for source, name in ((src / HEAD_CONFIG, HEAD_CONFIG), (summary, "train_summary.json")):
         if source.is_file():
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
-            os.close(fd)
-            Path(tmp).write_bytes(source.read_bytes())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, out / name)
+            atomic_write(out / name, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
     size = sum(v.numel() * v.element_size() for v in weights.values())
     print(f"{src} -> {out}: {len(weights)} tensors, {size / 1e6:.1f} MB in {args.dtype}"
           f"{'' if summary.is_file() else ' (no summary.json in the run: none copied)'}", file=sys.stderr)
@@ -1031,7 +1033,7 @@ def main(argv=None):
     x = sub.add_parser("export", help="write a run's head for shipping: weights cast (default bf16), token maps kept")
     x.add_argument("--run", required=True, help="run directory (its head/ is exported) or a head directory")
     x.add_argument("--out", required=True, help="directory to write head.safetensors + head_config.json to")
-    x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    x.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     args = p.parse_args(argv)
     try:
         {"extract": extract, "fit": fit, "vocab": set_vocab, "export": export}[args.command](args)
