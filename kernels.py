@@ -128,8 +128,8 @@ struct Lin {
 // keep DRAM busy: the multiply-adds and the memory wait took turns (576 x 1536 bf16 at M = 5: 79 us, at M = 1: 56;
 // hot in cache 35). Asking for the stream 16 KB ahead into L2 overlaps them (50 us; the LM head 1446 -> 1074 us).
 // At M = 1 on a Zen 4 the misses already stream and the prefetches only cost (49 -> 60 us), so there it runs for
-// M >= 2 only; on Intel it pays at M = 1 too (Emerald Rapids: a bf16 decode step 14.3-14.9 -> 8.6-11.9 ms), and on
-// a Zen 5 (the linears of one bf16 forward, one row: 9.2 -> 8.2 ms).
+// M >= 2 only; on Intel it pays at M = 1 too (Emerald Rapids: a bf16 decode step 14.3-14.9 -> 8.6-11.9 ms), on
+// a Zen 5 (the linears of one bf16 forward, one row: 9.2 -> 8.2 ms) and on a Zen 3 (below).
 constexpr int64_t PREFETCH_AHEAD = 16384;
 
 int amd_family() {  // the CPU family where it is AMD's (0x19: Zen 3 and Zen 4, 0x1A: Zen 5), 0 elsewhere
@@ -142,7 +142,12 @@ int amd_family() {  // the CPU family where it is AMD's (0x19: Zen 3 and Zen 4, 
   }();
   return value;
 }
-bool prefetch_one_row() { return amd_family() == 0 || amd_family() >= 0x1A; }
+// Zen 3 (family 0x19 without AVX-512) is like Intel and Zen 5 here: one bf16 forward's linears at one row 19.4 ->
+// 16.7 ms with it (int8 14.7 -> 14.1); only the Zen 4 runs faster without
+bool prefetch_one_row() {
+  static const bool value = amd_family() != 0x19 || (__builtin_cpu_init(), !__builtin_cpu_supports("avx512f"));
+  return value;
+}
 // One activation row against 8 weight rows at a time (Kernel::WIDE) fed Emerald Rapids' dot products (a one-row
 // LM head 2,143 -> 1,100-1,280 us); a Zen 5 runs 4-row blocks faster (one bf16 forward's linears 9.8 -> 8.2 ms,
 // with the prefetch), so they are Intel's only.
@@ -490,13 +495,17 @@ inline float softmax_numerators512(float* s, int64_t n) {  // s[i] = exp(s[i] - 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// 8 weights of row n: piece s (0..3) of the 32 columns from 32 * kb, as fp32 (int4: pieces 0-1 evens, 2-3 odds)
+// 8 weights of row n: piece s (0..3) of the 32 columns from 32 * kb, as fp32 (bf16 and int4: pieces 0-1 evens,
+// 2-3 odds; bf16 pairs split in place, the even one of each 32-bit lane by a shift, the odd one by a mask: one
+// instruction per 8 weights, where widening 8 bf16 to 8 lanes took two, one of them a lane-crossing shuffle)
 template <int WT>
 inline __m256 wload256(const Lin& a, int64_t n, int64_t kb, int s) {
   const char* p = a.row(n, kb);
   if (WT == W_F32) return _mm256_loadu_ps((const float*)p + 8 * s);
-  if (WT == W_BF16)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + 8 * s))), 16));
+  if (WT == W_BF16) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 32 * (s & 1)));
+    return _mm256_castsi256_ps(s < 2 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+  }
   if (WT == W_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * s))));
   __m128i b = _mm_loadl_epi64((const __m128i*)(p + 8 * (s & 1)));
   if (s >= 2) b = _mm_srli_epi16(b, 4);
@@ -688,7 +697,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   at::Tensor out = at::empty({M, N}, x.options());
   a.out = out.data_ptr();
   if (M == 0) return out;
-  at::Tensor xb, xf;
+  at::Tensor xb;
   if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32) {  // BF16 dot products
     xb = x.contiguous();
     if (wt == W_I4) {  // x in the nibbles' order: each 32 columns as evens, then odds
@@ -712,12 +721,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     else run_dequantized<W_I4>(a);
     return out;
   }
-  xf = x.to(at::kFloat).contiguous();
-  if (wt == W_I4) {
-    if (xf.data_ptr() == x.data_ptr()) xf = xf.clone();  // permuted in place: never the caller's tensor
-    permute_for_int4(xf.data_ptr<float>(), M, K, 32);
+  // fp32 activations, in the order the weight pieces come in (int4, and bf16 on AVX2: each 32 columns as evens, then
+  // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
+  const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> xbuf;
+  if (xc.scalar_type() == at::kFloat && !permuted) {
+    a.xf = xc.data_ptr<float>();
+  } else {
+    xbuf.resize(M * K);
+    if (xc.scalar_type() == at::kFloat) {
+      std::memcpy(xbuf.data(), xc.data_ptr<float>(), M * K * sizeof(float));
+    } else {
+      const uint16_t* src = (const uint16_t*)xc.data_ptr();
+      for (int64_t i = 0; i < M * K; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        std::memcpy(&xbuf[i], &u, 4);
+      }
+    }
+    if (permuted) permute_for_int4(xbuf.data(), M, K, 32);
+    a.xf = xbuf.data();
   }
-  a.xf = xf.data_ptr<float>();
   if (level >= AVX512) {
     switch (wt) {
       case W_F32: run_linear<Kernel512<F32Step<W_F32>>>(a, 5); break;

@@ -55,7 +55,10 @@ def main():
     if (msg := gen.check_tree(args)) is not None:
         gen.die(msg)
     checkpoint = args.checkpoint or default_checkpoint()
-    model = load_model(checkpoint, "cpu", DTYPES[args.dtype], quantization=args.quant)
+    try:  # a missing checkpoint or quantized file: one error line
+        model = load_model(checkpoint, "cpu", DTYPES[args.dtype], quantization=args.quant)
+    except (gen.CheckpointError, FileNotFoundError, ValueError) as e:
+        gen.die(str(e))
     dtype = model.norm.weight.dtype
     head = gen.random_head(model) if args.draft == "random" else load_head(args.draft, model, "cpu", dtype)
     drafter = gen.tree_drafter(head, args.tree, argparse.Namespace(**vars(args), tree_paths=None))

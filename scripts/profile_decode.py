@@ -41,12 +41,16 @@ def main():
     p.add_argument("--prefix", type=int, default=200)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
-    model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
+    try:  # a missing checkpoint or quantized file: one error line
+        model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
+    except (gen.CheckpointError, FileNotFoundError, ValueError) as e:
+        gen.die(str(e))
     model.setup_caches(1, args.prefix + args.steps + 8)
     if not args.no_compile:
-        gen.compile_steps()  # as generate.py compiles it
+        gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # as generate.py compiles it
     step = gen.decode_one_token
     tok, pos = torch.tensor([[42]], dtype=torch.int), torch.tensor([args.prefix])
     with torch.no_grad():
@@ -66,7 +70,7 @@ def main():
     ms = statistics.median(times) * 1e3
     weights = model_size_bytes(model)
     floor_ms = weights / bandwidth * 1e3
-    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled'}, "
+    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (cpp_wrapper)' if args.cpp_wrapper else '')}, "
           f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"weights read per token: {weights / 2**20:.0f} MiB; read bandwidth: {bandwidth / 1e9:.1f} GB/s; "
           f"floor {floor_ms:.1f} ms/token ({1e3 / floor_ms:.0f} tokens/s)")

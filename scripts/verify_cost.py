@@ -31,12 +31,16 @@ def main():
     p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++")
     p.add_argument("--small_t", type=int, default=None,
                    help="use the matmul attention up to this many query tokens (model.SMALL_T; 0 = SDPA always)")
     args = p.parse_args()
     if args.small_t is not None:
         model_module.SMALL_T = args.small_t
-    model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
+    try:  # a missing checkpoint or quantized file: one error line
+        model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
+    except (gen.CheckpointError, FileNotFoundError, ValueError) as e:
+        gen.die(str(e))
     S = args.prefix + max(args.sizes) + 8
     model.setup_caches(1, S)
     with torch.no_grad():
@@ -46,7 +50,7 @@ def main():
         return model(tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True)
 
     if not args.no_compile:
-        gen.compile_steps()  # the settings generate.py compiles with
+        gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # the settings generate.py compiles with
     step = verify if args.no_compile else torch.compile(verify, fullgraph=True, dynamic=False)
     inputs = {}
     for T in args.sizes:  # a random tree of T nodes (each node's parent comes before it)
@@ -68,7 +72,7 @@ def main():
                         step(*inputs[T])
                     times[T].append((time.perf_counter() - t0) / 3)
     base = statistics.median(times[args.sizes[0]])
-    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled'}, prefix {args.prefix}, "
+    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (cpp_wrapper)' if args.cpp_wrapper else '')}, prefix {args.prefix}, "
           f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
     for T in args.sizes:
