@@ -249,6 +249,7 @@ def test_real_model_greedy_exact_with_random_head(real_model, real_tokenizer, hf
 
 @pytest.mark.slow
 @pytest.mark.compile
+@pytest.mark.mtbench  # not in the default run (5 min on a Zen 3): python -m pytest -m mtbench
 def test_real_model_bf16_compiled_eagle_equals_plain_on_mt_bench(default_checkpoint, real_tokenizer):
     """Issue 10's bar: in bf16, compiled as generate.py --compile runs it, with the shipped head, greedy EAGLE gives
     plain decoding's tokens on 20 MT-bench first turns x 128 tokens (before the small-M kernels they parted at a
