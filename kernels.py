@@ -154,12 +154,25 @@ bool prefetch_one_row() {
 // with the prefetch), so they are Intel's only.
 bool wide_one_row() { return amd_family() == 0; }
 
-inline void prefetch_ahead(const Lin& a, int64_t n0, int64_t kb) {  // blocks are one stream: block n0 / 4, step kb
+__attribute__((always_inline)) inline void prefetch_ahead(const Lin& a, int64_t n0, int64_t kb) {  // blocks are one stream: block n0 / 4, step kb
   const char* p = a.w + ((n0 - a.n_base) / 4 * (a.K / 32) + kb) * 64 * a.ahead_lines + PREFETCH_AHEAD;
   for (int64_t l = 0; l < a.ahead_lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+// Half the lines prefetch_ahead asks for (half 0: the first, 1: the second; a one-line step: every other step), for
+// kernels that sweep a block twice: asked all in the first sweep, the requests came in bursts and DRAM idled in the
+// second
+__attribute__((always_inline)) inline void prefetch_half(const Lin& a, int64_t n0, int64_t kb, int half) {
+  const char* p = a.w + ((n0 - a.n_base) / 4 * (a.K / 32) + kb) * 64 * a.ahead_lines + PREFETCH_AHEAD;
+  if (a.ahead_lines == 1) {
+    if ((kb & 1) == half) _mm_prefetch(p, _MM_HINT_T1);
+    return;
+  }
+  const int64_t lines = a.ahead_lines / 2;
+  for (int64_t l = half * lines; l < (half + 1) * lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+}
+
+__attribute__((always_inline)) inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
@@ -167,8 +180,10 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   return (uint16_t)(u >> 16);
 }
 
-// the last step for four output columns n..n+3 of row m: int8 scale, bias, store
-inline void finish4(const Lin& a, int64_t m, int64_t n, __m128 v) {
+// the last step for four output columns n..n+3 of row m: int8 scale, bias, store. Always inlined, so that its SSE
+// is encoded as the AVX kernel around it: called as a function (plain SSE after the kernel's 256-bit code) it doubled
+// a one-row int8 pass on a Zen 3 (384 x 576 from L2, one thread: 31.9 -> 17.4 us)
+__attribute__((always_inline)) inline void finish4(const Lin& a, int64_t m, int64_t n, __m128 v) {
   if (a.scales && !a.offsets) v = _mm_mul_ps(v, _mm_loadu_ps(a.scales + n));
   if (a.bias) v = _mm_add_ps(v, _mm_loadu_ps(a.bias + n));
   if (a.out_bf16) {
@@ -496,12 +511,12 @@ inline float softmax_numerators512(float* s, int64_t n) {  // s[i] = exp(s[i] - 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// 8 weights of row n: piece s (0..3) of the 32 columns from 32 * kb, as fp32 (bf16 and int4: pieces 0-1 evens,
-// 2-3 odds; bf16 pairs split in place, the even one of each 32-bit lane by a shift, the odd one by a mask: one
-// instruction per 8 weights, where widening 8 bf16 to 8 lanes took two, one of them a lane-crossing shuffle)
+// 8 weights of the row at p (its 32 columns from some 32 * kb): piece s (0..3) as fp32 (bf16 and int4: pieces 0-1
+// evens, 2-3 odds; bf16 pairs split in place, the even one of each 32-bit lane by a shift, the odd one by a mask: one
+// instruction per 8 weights, where widening 8 bf16 to 8 lanes took two, one of them a lane-crossing shuffle; int4
+// nibbles times the row's group scale plus its offset)
 template <int WT>
-inline __m256 wload256(const Lin& a, int64_t n, int64_t kb, int s) {
-  const char* p = a.row(n, kb);
+inline __m256 wload256(const char* p, int s, __m256 scale, __m256 offset) {
   if (WT == W_F32) return _mm256_loadu_ps((const float*)p + 8 * s);
   if (WT == W_BF16) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 32 * (s & 1)));
@@ -511,8 +526,7 @@ inline __m256 wload256(const Lin& a, int64_t n, int64_t kb, int s) {
   __m128i b = _mm_loadl_epi64((const __m128i*)(p + 8 * (s & 1)));
   if (s >= 2) b = _mm_srli_epi16(b, 4);
   b = _mm_and_si128(b, _mm_set1_epi8(15));
-  const int64_t g = n * a.groups + ((32 * kb) >> a.gshift);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_set1_ps(a.scales[g]), _mm256_set1_ps(a.offsets[g]));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), scale, offset);
 }
 
 inline __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -529,19 +543,35 @@ inline float reduce1_256(__m256 v) {
 
 template <int WT>
 struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at most 2 activation rows x 4)
+  // A block row's bytes (the next row of a block starts this far on), and where row n0's 32 columns from 32 * kb
+  // start: a step from its first ones, so the loops below keep a pointer rather than redo Lin::row's arithmetic
+  // (the compiler kept those products and spilled accumulators: one int8 row pass ran at half the speed)
+  static constexpr int64_t BB = WT == W_F32 ? 128 : WT == W_BF16 ? 64 : 32;
+  static inline int64_t step(int64_t kb) { return WT == W_I4 ? (kb >> 1) * 4 * BB + (kb & 1) * 16 : kb * 4 * BB; }
+  static inline void group(const Lin& a, int64_t n, int64_t kb, __m256& scale, __m256& offset) {  // int4 only
+    if (WT != W_I4) return;
+    const int64_t g = n * a.groups + ((32 * kb) >> a.gshift);
+    scale = _mm256_set1_ps(a.scales[g]), offset = _mm256_set1_ps(a.offsets[g]);
+  }
   template <int MB>
   static inline void block(const Lin& a, int64_t m0, int64_t n0) {
-    __m256 acc[MB][4];
+    __m256 acc[MB][4], sc[4], of[4];
     for (int i = 0; i < MB; i++)
       for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) sc[j] = of[j] = _mm256_setzero_ps();
+    const char* w0 = a.row(n0, 0);
+    const float* x = a.xf + m0 * a.K;
     for (int64_t kb = 0; kb < a.K / 32; kb++) {
       if (a.ahead_lines) prefetch_ahead(a, n0, kb);
+      const char* p = w0 + step(kb);
+      for (int j = 0; j < 4; j++) group(a, n0 + j, kb, sc[j], of[j]);
+#pragma GCC unroll 4
       for (int s = 0; s < 4; s++) {
         __m256 w[4];
-        for (int j = 0; j < 4; j++) w[j] = wload256<WT>(a, n0 + j, kb, s);
+        for (int j = 0; j < 4; j++) w[j] = wload256<WT>(p + j * BB, s, sc[j], of[j]);
         for (int i = 0; i < MB; i++) {
-          __m256 x = _mm256_loadu_ps(a.xf + (m0 + i) * a.K + 32 * kb + 8 * s);
-          for (int j = 0; j < 4; j++) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
+          __m256 xv = _mm256_loadu_ps(x + i * a.K + 32 * kb + 8 * s);
+          for (int j = 0; j < 4; j++) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
         }
       }
     }
@@ -553,18 +583,24 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
   // products in the same order as block<1>, and reduce4_256(a, b, a, b) sums a's and b's lanes by reduce4's tree
   template <int MB>
   static inline void pair(const Lin& a, int64_t m0, int64_t n0, int j0, float (*res)[4]) {
-    __m256 acc[MB][2];
+    __m256 acc[MB][2], sc0 = _mm256_setzero_ps(), of0 = sc0, sc1 = sc0, of1 = sc0;
     for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const char* w0 = a.row(n0 + j0, 0);
+    const float* x = a.xf + m0 * a.K;
     for (int64_t kb = 0; kb < a.K / 32; kb++) {
-      if (a.ahead_lines && j0 == 0) prefetch_ahead(a, n0, kb);
+      if (a.ahead_lines) prefetch_half(a, n0, kb, j0 / 2);
+      const char* p = w0 + step(kb);
+      group(a, n0 + j0, kb, sc0, of0);
+      group(a, n0 + j0 + 1, kb, sc1, of1);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; s++) {
-        const __m256 w0 = wload256<WT>(a, n0 + j0, kb, s), w1 = wload256<WT>(a, n0 + j0 + 1, kb, s);
+        const __m256 w0v = wload256<WT>(p, s, sc0, of0), w1v = wload256<WT>(p + BB, s, sc1, of1);
 #pragma GCC unroll 8
         for (int i = 0; i < MB; i++) {
-          const __m256 x = _mm256_loadu_ps(a.xf + (m0 + i) * a.K + 32 * kb + 8 * s);
-          acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
+          __m256 xv = _mm256_loadu_ps(x + i * a.K + 32 * kb + 8 * s);
+          asm("" : "+x"(xv));  // a register: GCC folded the load into both multiply-adds, 12 loads for 10 of them
+          acc[i][0] = _mm256_fmadd_ps(xv, w0v, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(xv, w1v, acc[i][1]);
         }
       }
     }
