@@ -159,19 +159,6 @@ __attribute__((always_inline)) inline void prefetch_ahead(const Lin& a, int64_t 
   for (int64_t l = 0; l < a.ahead_lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
 
-// Half the lines prefetch_ahead asks for (half 0: the first, 1: the second; a one-line step: every other step), for
-// kernels that sweep a block twice: asked all in the first sweep, the requests came in bursts and DRAM idled in the
-// second
-__attribute__((always_inline)) inline void prefetch_half(const Lin& a, int64_t n0, int64_t kb, int half) {
-  const char* p = a.w + ((n0 - a.n_base) / 4 * (a.K / 32) + kb) * 64 * a.ahead_lines + PREFETCH_AHEAD;
-  if (a.ahead_lines == 1) {
-    if ((kb & 1) == half) _mm_prefetch(p, _MM_HINT_T1);
-    return;
-  }
-  const int64_t lines = a.ahead_lines / 2;
-  for (int64_t l = half * lines; l < (half + 1) * lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
-}
-
 __attribute__((always_inline)) inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -588,7 +575,7 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
     const char* w0 = a.row(n0 + j0, 0);
     const float* x = a.xf + m0 * a.K;
     for (int64_t kb = 0; kb < a.K / 32; kb++) {
-      if (a.ahead_lines) prefetch_half(a, n0, kb, j0 / 2);
+      if (a.ahead_lines && j0 == 0) prefetch_ahead(a, n0, kb);
       const char* p = w0 + step(kb);
       group(a, n0 + j0, kb, sc0, of0);
       group(a, n0 + j0 + 1, kb, sc1, of1);
