@@ -1,6 +1,7 @@
 """The verify-cost curve: one target forward over T tree tokens, relative to one plain decode step (T=1).
 
     python scripts/verify_cost.py --dtype bfloat16 --sizes 1 8 16 32 64
+    python scripts/verify_cost.py --dtype bfloat16 --quant int8 --sizes 1 5 --profile   # and where each T's time goes
 
 This is what sizes the draft tree for a machine: tokens a verification can check for about the price of one
 decode step are nearly free. Each T runs with the static KV cache at a realistic prefix length, a tree mask, and
@@ -31,6 +32,9 @@ def main():
     p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no_compile", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="then the PyTorch profiler's operators for each T: the linears, attention, the compiled "
+                        "graph's own kernels, ms a forward")
     p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++")
     p.add_argument("--small_t", type=int, default=None,
                    help="use the matmul attention up to this many query tokens (model.SMALL_T; 0 = SDPA always)")
@@ -78,6 +82,19 @@ def main():
     for T in args.sizes:
         m = statistics.median(times[T])
         print(f"| {T} | {m * 1e3:.1f} | {m / base:.2f} |")
+    if args.profile:
+        profile_sizes(step, inputs)
+
+
+def profile_sizes(step, inputs, calls=10):
+    """Self CPU time a forward of each operator (top 6), per T, from one profiled run of `calls` forwards."""
+    from torch.profiler import ProfilerActivity, profile
+    for T, x in inputs.items():
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                step(*x)
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
+        print(f"T={T}: " + ", ".join(f"{e.key[:40]} {e.self_cpu_time_total / calls / 1e3:.2f} ms" for e in ops))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,17 @@ def make_tiny_model(seed=0, **overrides) -> Transformer:
     return model.eval()
 
 
+def save_checkpoint(model, path):
+    """A checkpoint directory (config.json + model.safetensors) holding a tiny model's float weights."""
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (model.config.tie_embeddings and k == "output.weight")}
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**model.config.to_dict(), "stop_token_ids": []}))
+    return path
+
+
 @pytest.fixture
 def tiny_model():
     return make_tiny_model()

@@ -12,22 +12,12 @@ from safetensors.torch import save_file
 import generate as gen
 import kernels
 import quantize as Q
-from conftest import make_tiny_model
+from conftest import make_tiny_model, save_checkpoint
 from model import Embedding, Linear, pack_weights
 from eagle_head import load_head, random_head, save_head, target_info
 from generate import Drafter, generate, load_model
 
 WIDE = dict(dim=128, intermediate_size=256)  # every input dim a multiple of 128, so g32..g128 all fit
-
-
-def save_checkpoint(model, path):
-    """A checkpoint directory (config.json + model.safetensors) holding a tiny model's float weights."""
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (model.config.tie_embeddings and k == "output.weight")}
-    save_file(state, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({**model.config.to_dict(), "stop_token_ids": []}))
-    return path
 
 
 def quantized(model, mode, groupsize=None, dtype=torch.float32, pack=True, **kw):
