@@ -253,7 +253,7 @@ def test_defaults_pick_the_fastest_exact_configuration():
 
 
 @pytest.mark.parametrize("isa, argv, dtype, quant", [
-    ("avx2", [], "bfloat16", "int8"),  # no bf16 arithmetic: int8 weights decode fastest
+    ("avx2", [], "bfloat16", "int8.head8"),  # no bf16 arithmetic: int8 weights (LM head too) decode fastest
     ("avx512_bf16", [], "bfloat16", None), ("amx", [], "bfloat16", None),
     ("avx2", ["--dtype", "float32"], "float32", None),  # a dtype asked for: its float weights
     ("avx2", ["--quant", "none"], "bfloat16", None), ("avx512_bf16", ["--quant", "int4.g32"], "bfloat16", "int4.g32"),
@@ -267,24 +267,24 @@ def test_default_weights_follow_the_cpu(monkeypatch, isa, argv, dtype, quant):
 
 
 def test_auto_quant_writes_int8_weights_on_first_use(tmp_path, capsys, monkeypatch):
-    """--quant auto's int8 is written beside the checkpoint once, then loaded; a process that may not write, or a
+    """--quant auto's int8 weights (LM head too) are written beside the checkpoint once, then loaded; a process that may not write, or a
     directory that cannot take the file, gets the float weights and one line saying why."""
     from conftest import save_checkpoint
     ckpt = save_checkpoint(make_tiny_model(), tmp_path / "ckpt")
-    assert gen.make_quantized_on_first_use(ckpt, "int8", write=False) is None
-    assert not (ckpt / "model_int8.safetensors").exists()
-    assert gen.make_quantized_on_first_use(ckpt, "int8") == "int8"
-    assert (ckpt / "model_int8.safetensors").is_file() and "writing int8" in capsys.readouterr().err
-    assert gen.make_quantized_on_first_use(ckpt, "int8", write=False) == "int8"  # there now: no second write
+    assert gen.make_quantized_on_first_use(ckpt, "int8.head8", write=False) is None
+    assert not (ckpt / "model_int8.head8.safetensors").exists()
+    assert gen.make_quantized_on_first_use(ckpt, "int8.head8") == "int8.head8"
+    assert (ckpt / "model_int8.head8.safetensors").is_file() and "writing int8.head8" in capsys.readouterr().err
+    assert gen.make_quantized_on_first_use(ckpt, "int8.head8", write=False) == "int8.head8"  # there now: no second write
     assert capsys.readouterr().err == ""
-    model = gen.load_model(ckpt, "cpu", torch.float32, quantization="int8")
-    assert any(b.dtype == torch.int8 for b in model.buffers()) or any(p.dtype == torch.int8 for p in model.parameters())
+    model = gen.load_model(ckpt, "cpu", torch.float32, quantization="int8.head8")
+    assert model.output.weight.dtype == model.layers[0].feed_forward.w2.weight.dtype == torch.int8
     other = save_checkpoint(make_tiny_model(), tmp_path / "other")
 
     def read_only(*a, **k):
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(gen, "quantize_checkpoint", read_only)
-    assert gen.make_quantized_on_first_use(other, "int8") is None
+    assert gen.make_quantized_on_first_use(other, "int8.head8") is None
     assert "could not write them" in capsys.readouterr().err
 
 
