@@ -409,6 +409,15 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, quantization=N
     return model.eval()
 
 
+def load_model_or_die(checkpoint, device, dtype, quantization=None):
+    """load_model for a script's command line (checkpoint None: the default model): a missing or bad checkpoint or
+    quantized file ends the run with one error line."""
+    try:
+        return load_model(checkpoint or default_checkpoint(), device, dtype, quantization=quantization)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        die(str(e))
+
+
 def acceptance_rates(stats) -> str:
     """Per depth d: the share of cycles that accepted a d-th draft token, given they accepted d-1."""
     reached, rates = stats["verify_forwards"], []

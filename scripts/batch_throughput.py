@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate as gen  # noqa: E402
 import kernels  # noqa: E402
 from benchmark import load_prompts  # noqa: E402
-from generate import DTYPES, default_checkpoint, load_model  # noqa: E402
+from generate import DTYPES, default_checkpoint  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main():
     args = p.parse_args()
     checkpoint = args.checkpoint or default_checkpoint()
     dtype = gen.fastest_dtype("cpu") if args.dtype == "auto" else args.dtype
-    model = load_model(checkpoint, "cpu", DTYPES[dtype], quantization=args.quant)
+    model = gen.load_model_or_die(checkpoint, "cpu", DTYPES[dtype], args.quant)
     prompts = [ids for _, ids in load_prompts(gen.ROOT / "data" / "mt_bench.jsonl", get_tokenizer(checkpoint),
                                               model.checkpoint_config, 0)]
     cache = -(-(max(len(ids) for ids in prompts) + args.new_tokens) // 64) * 64

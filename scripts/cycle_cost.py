@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate as gen  # noqa: E402
 import kernels  # noqa: E402
 from eagle_head import load_head, tree_ancestors, tree_attention_mask  # noqa: E402
-from generate import DTYPES, default_checkpoint, load_model  # noqa: E402
+from generate import DTYPES, default_checkpoint  # noqa: E402
 from tokenizer import apply_chat_template, get_tokenizer  # noqa: E402
 
 PROMPT = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."
@@ -55,10 +55,7 @@ def main():
     if (msg := gen.check_tree(args)) is not None:
         gen.die(msg)
     checkpoint = args.checkpoint or default_checkpoint()
-    try:  # a missing checkpoint or quantized file: one error line
-        model = load_model(checkpoint, "cpu", DTYPES[args.dtype], quantization=args.quant)
-    except (gen.CheckpointError, FileNotFoundError, ValueError) as e:
-        gen.die(str(e))
+    model = gen.load_model_or_die(checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     dtype = model.norm.weight.dtype
     head = gen.random_head(model) if args.draft == "random" else load_head(args.draft, model, "cpu", dtype)
     drafter = gen.tree_drafter(head, args.tree, argparse.Namespace(**vars(args), tree_paths=None))

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate as gen  # noqa: E402
 import kernels  # noqa: E402
-from generate import DTYPES, default_checkpoint, load_model, model_size_bytes  # noqa: E402
+from generate import DTYPES, model_size_bytes  # noqa: E402
 
 
 def read_bandwidth(n_bytes=1 << 30, rounds=5):
@@ -44,10 +44,7 @@ def main():
     p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
-    try:  # a missing checkpoint or quantized file: one error line
-        model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
-    except (gen.CheckpointError, FileNotFoundError, ValueError) as e:
-        gen.die(str(e))
+    model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     model.setup_caches(1, args.prefix + args.steps + 8)
     if not args.no_compile:
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # as generate.py compiles it

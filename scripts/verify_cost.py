@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import tree_ancestors, tree_attention_mask  # noqa: E402
 import generate as gen  # noqa: E402
 import kernels  # noqa: E402
-from generate import DTYPES, default_checkpoint, load_model  # noqa: E402
+from generate import DTYPES  # noqa: E402
 import model as model_module  # noqa: E402
 
 
@@ -41,10 +41,7 @@ def main():
     args = p.parse_args()
     if args.small_t is not None:
         model_module.SMALL_T = args.small_t
-    try:  # a missing checkpoint or quantized file: one error line
-        model = load_model(args.checkpoint or default_checkpoint(), "cpu", DTYPES[args.dtype], quantization=args.quant)
-    except (gen.CheckpointError, FileNotFoundError, ValueError) as e:
-        gen.die(str(e))
+    model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     S = args.prefix + max(args.sizes) + 8
     model.setup_caches(1, S)
     with torch.no_grad():
