@@ -620,9 +620,10 @@ def make_quantized_on_first_use(checkpoint, name, write=True):
     try:
         quantized_file(checkpoint, config, name)
         return name
-    except CheckpointError:
-        if not write:
-            return None
+    except CheckpointError:  # not written yet
+        pass
+    if not write:
+        return None
     print(f"--quant auto: writing {name} weights beside {checkpoint} (first use; python quantize.py does the same)",
           file=sys.stderr)
     try:

@@ -154,7 +154,8 @@ bool prefetch_one_row() {
 // with the prefetch), so they are Intel's only.
 bool wide_one_row() { return amd_family() == 0; }
 
-__attribute__((always_inline)) inline void prefetch_ahead(const Lin& a, int64_t n0, int64_t kb) {  // blocks are one stream: block n0 / 4, step kb
+// blocks are one stream: block n0 / 4, step kb
+__attribute__((always_inline)) inline void prefetch_ahead(const Lin& a, int64_t n0, int64_t kb) {
   const char* p = a.w + ((n0 - a.n_base) / 4 * (a.K / 32) + kb) * 64 * a.ahead_lines + PREFETCH_AHEAD;
   for (int64_t l = 0; l < a.ahead_lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
