@@ -105,6 +105,8 @@ struct Lin {
   int gshift;              // log2(G)
   int64_t groups;          // K / G
   const float* xf;         // (M, K) activations in fp32 (int4: each 32 columns permuted to evens, then odds)
+  const int16_t* xq;       // (M, K) activations as 16-bit integers, x ~ xq * xs (int8 weights on AVX2)
+  const float* xs;         // (M,) their scales
   const uint16_t* xb;      // (M, K) activations in bf16, for the BF16 dot products (same permutation for int4)
   const char* w;           // packed weights
   int64_t block_bytes;     // bytes of one block row: 32 columns (float, int8) or 64 (int4: 32 bytes)
@@ -510,7 +512,6 @@ inline __m256 wload256(const char* p, int s, __m256 scale, __m256 offset) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 32 * (s & 1)));
     return _mm256_castsi256_ps(s < 2 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
   }
-  if (WT == W_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * s))));
   __m128i b = _mm_loadl_epi64((const __m128i*)(p + 8 * (s & 1)));
   if (s >= 2) b = _mm_srli_epi16(b, 4);
   b = _mm_and_si128(b, _mm_set1_epi8(15));
@@ -530,7 +531,7 @@ inline float reduce1_256(__m256 v) {
 }
 
 template <int WT>
-struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at most 2 activation rows x 4)
+struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at most 2 activation rows x 4); int8: KernelI8
   // A block row's bytes (the next row of a block starts this far on), and where row n0's 32 columns from 32 * kb
   // start: a step from its first ones, so the loops below keep a pointer rather than redo Lin::row's arithmetic
   // (the compiler kept those products and spilled accumulators: one int8 row pass ran at half the speed)
@@ -619,6 +620,158 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
   }
 };
 
+// int8 weights on AVX2: the activations rounded to 16-bit integers, a scale per row (quantize_rows16), and each
+// product summed exactly in 32-bit integer lanes by vpmaddwd, 16 multiply-adds an instruction where an fp32 FMA does
+// 8 (the weights sign-extended once for all rows, not converted to fp32). Integer sums are exact, so a row's lanes
+// are the same whatever M is; each lane goes to fp32 after at most 4096 columns (256 pairs of at most 2 x 32767 x
+// 128: no overflow), and the lanes to one sum by reduce4_256, as the fp32 kernels do.
+// The accumulators are named variables, each sum added by an asm of one vpaddd: in an array, or with the adds as
+// intrinsics, GCC summed a step's two products first (integers may be regrouped), loaded a step ahead and kept
+// the accumulators on the stack, a load and a store each a step (a Zen 3, 5 rows, weights hot in L1: 50 against 78
+// GMAC/s a core).
+#define I8_ADD(acc, p) asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(p))
+struct KernelI8 {
+  static constexpr int64_t BB = 32, CHUNK = 128;  // a block row's bytes; 32-column steps summed as integers at a time
+  static inline void to_sum(float* sum, __m256i acc, int64_t c0) {  // a chunk's integer lanes into the fp32 ones
+    const __m256 f = _mm256_cvtepi32_ps(acc);
+    _mm256_store_ps(sum, c0 ? _mm256_add_ps(_mm256_load_ps(sum), f) : f);
+  }
+  // 1-2 rows against the block's 4 weight rows
+  template <int MB>
+  static inline void block(const Lin& a, int64_t m0, int64_t n0) {
+    alignas(32) float sum[MB][4][8];
+    const char* w0 = a.row(n0, 0);
+    const int16_t* x = a.xq + m0 * a.K;
+    const int64_t KB = a.K / 32;
+    for (int64_t c0 = 0; c0 < KB; c0 += CHUNK) {
+      const __m256i z = _mm256_setzero_si256();
+      __m256i a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+      for (int64_t kb = c0; kb < std::min(KB, c0 + CHUNK); kb++) {
+        if (a.ahead_lines) prefetch_ahead(a, n0, kb);
+        const char* p = w0 + kb * 4 * BB;
+#pragma GCC unroll 2
+        for (int s = 0; s < 2; s++) {
+          __m256i w[4];
+          for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + j * BB + 16 * s)));
+          __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + 32 * kb + 16 * s));
+          asm("" : "+x"(x0));
+          I8_ADD(a00, _mm256_madd_epi16(x0, w[0])); I8_ADD(a01, _mm256_madd_epi16(x0, w[1]));
+          I8_ADD(a02, _mm256_madd_epi16(x0, w[2])); I8_ADD(a03, _mm256_madd_epi16(x0, w[3]));
+          if (MB > 1) {
+            __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + a.K + 32 * kb + 16 * s));
+          asm("" : "+x"(x1));
+            I8_ADD(a10, _mm256_madd_epi16(x1, w[0])); I8_ADD(a11, _mm256_madd_epi16(x1, w[1]));
+            I8_ADD(a12, _mm256_madd_epi16(x1, w[2])); I8_ADD(a13, _mm256_madd_epi16(x1, w[3]));
+          }
+        }
+      }
+      const __m256i acc[2][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};
+      for (int i = 0; i < MB; i++)
+        for (int j = 0; j < 4; j++) to_sum(sum[i][j], acc[i][j], c0);
+    }
+    for (int i = 0; i < MB; i++)
+      finish4(a, m0 + i, n0, _mm_mul_ps(reduce4_256(_mm256_load_ps(sum[i][0]), _mm256_load_ps(sum[i][1]),
+                                                    _mm256_load_ps(sum[i][2]), _mm256_load_ps(sum[i][3])),
+                                        _mm_set1_ps(a.xs[m0 + i])));
+  }
+  // 3-6 rows: weight rows j0, j0 + 1 against MB rows, as Kernel256::pair (each output's lanes and their sum as block's)
+  template <int MB>
+  static inline void pair(const Lin& a, int64_t m0, int64_t n0, int j0, float (*res)[4]) {
+    alignas(32) float sum[MB][2][8];
+    const char* w0 = a.row(n0 + j0, 0);
+    const int16_t* x = a.xq + m0 * a.K;
+    const int64_t KB = a.K / 32;
+    for (int64_t c0 = 0; c0 < KB; c0 += CHUNK) {
+      const __m256i z = _mm256_setzero_si256();
+      __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
+      for (int64_t kb = c0; kb < std::min(KB, c0 + CHUNK); kb++) {
+        if (a.ahead_lines && j0 == 0) prefetch_ahead(a, n0, kb);
+        const char* p = w0 + kb * 4 * BB;
+#pragma GCC unroll 2
+        for (int s = 0; s < 2; s++) {
+          const __m256i w0v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16 * s)));
+          const __m256i w1v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + BB + 16 * s)));
+#define I8_ROW(i)                                                                                     \
+          if (MB > i) {                                                                               \
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + i * a.K + 32 * kb + 16 * s));        \
+            asm("" : "+x"(xv)); /* one load: GCC folded it into both products */                     \
+            I8_ADD(a##i##0, _mm256_madd_epi16(xv, w0v)); I8_ADD(a##i##1, _mm256_madd_epi16(xv, w1v)); \
+          }
+          I8_ROW(0) I8_ROW(1) I8_ROW(2) I8_ROW(3) I8_ROW(4) I8_ROW(5)
+#undef I8_ROW
+        }
+      }
+      const __m256i acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+      for (int i = 0; i < MB; i++)
+        for (int j = 0; j < 2; j++) to_sum(sum[i][j], acc[i][j], c0);
+    }
+    for (int i = 0; i < MB; i++) {
+      float r[4];
+      const __m256 s0 = _mm256_load_ps(sum[i][0]), s1 = _mm256_load_ps(sum[i][1]);
+      _mm_storeu_ps(r, reduce4_256(s0, s1, s0, s1));
+      res[i][j0] = r[0], res[i][j0 + 1] = r[1];
+    }
+  }
+  template <int MB>
+  static inline void pairs(const Lin& a, int64_t m0, int64_t n0) {
+    float res[MB][4];
+    pair<MB>(a, m0, n0, 0, res);
+    pair<MB>(a, m0, n0, 2, res);
+    for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, _mm_mul_ps(_mm_loadu_ps(res[i]), _mm_set1_ps(a.xs[m0 + i])));
+  }
+  static constexpr int WIDE = 1;
+  static constexpr int MAX_MB = 6;
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
+    switch (mb) {
+      case 1: block<1>(a, m0, n0); break;
+      case 2: block<2>(a, m0, n0); break;
+      case 3: pairs<3>(a, m0, n0); break;
+      case 4: pairs<4>(a, m0, n0); break;
+      case 5: pairs<5>(a, m0, n0); break;
+      default: pairs<6>(a, m0, n0); break;
+    }
+  }
+};
+#undef I8_ADD
+
+// Each row x ~ q * scale: scale = max |x| / 32767, q = x / scale rounded to nearest even (as torch.round); a row
+// of zeros gets scale 0, a row with an inf or a NaN scale NaN (its outputs NaN, as the float sums would be).
+// x (M, K) in fp32 or bf16 (E), read where it lies
+template <typename E>
+inline __m256 xload(const E* p) {
+  if (sizeof(E) == 4) return _mm256_loadu_ps((const float*)p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+template <typename E>
+void quantize_rows16(const E* x, int64_t M, int64_t K, int16_t* q, float* scale) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; m++) {
+    const E* r = x + m * K;
+    int16_t* qr = q + m * K;
+    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 v = _mm256_and_ps(xload(r + k), abs_mask);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      mx = _mm256_max_ps(mx, v);
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, mx);
+    for (int j = 0; j < 8; j++) amax = std::max(amax, lanes[j]);
+    if (_mm256_movemask_ps(bad) || amax == 0.0f || std::isinf(amax)) {
+      scale[m] = amax == 0.0f && !_mm256_movemask_ps(bad) ? 0.0f : NAN;
+      std::memset(qr, 0, K * sizeof(int16_t));
+      continue;
+    }
+    scale[m] = amax / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(32767.0f / amax);
+    for (int64_t k = 0; k < K; k += 16) {  // cvtps rounds to nearest even; packs saturates at +-32767.x -> +-32767
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(xload(r + k), inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(xload(r + k + 8), inv));
+      _mm256_storeu_si256((__m256i*)(qr + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+  }
+}
+
 inline __m256 exp256(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -691,7 +844,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
+  Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
   at::Tensor sc, of, bs;
   if (scales) {
@@ -750,6 +903,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
+  if (level < AVX512 && wt == W_I8) {  // integer dot products (KernelI8), the activations rounded straight from x
+    static thread_local std::vector<int16_t> xq;  // kept from call to call: two allocations cost as much as rounding
+    static thread_local std::vector<float> xs;
+    xq.resize(M * K), xs.resize(M);
+    if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq.data(), xs.data());
+    else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq.data(), xs.data());
+    a.xq = xq.data(), a.xs = xs.data();
+    run_linear<KernelI8>(a, KernelI8::MAX_MB);
+    return out;
+  }
   std::vector<float> xbuf;
   if (xc.scalar_type() == at::kFloat && !permuted) {
     a.xf = xc.data_ptr<float>();
@@ -778,7 +941,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     switch (wt) {
       case W_F32: run_linear<Kernel256<W_F32>>(a, Kernel256<W_F32>::MAX_MB); break;
       case W_BF16: run_linear<Kernel256<W_BF16>>(a, Kernel256<W_BF16>::MAX_MB); break;
-      case W_I8: run_linear<Kernel256<W_I8>>(a, Kernel256<W_I8>::MAX_MB); break;
       default: run_linear<Kernel256<W_I4>>(a, Kernel256<W_I4>::MAX_MB); break;
     }
   }
@@ -1229,9 +1391,24 @@ def dequantize(weight: Tensor, scales: Tensor = None, offsets: Tensor = None) ->
     return weight.float()
 
 
+def round_rows16(x: Tensor) -> Tensor:
+    """x (M, K) as the AVX2 build gives it to int8 weights: each row rounded to 16-bit integers times its scale
+    max |x| / 32767 (a row of zeros stays zeros; one with an inf or a NaN becomes NaN)."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax.isfinite(), amax / 32767, float("nan"))
+    q = torch.where(amax > 0, torch.round(x * (32767 / amax)).clamp(-32767, 32767), 0.0)
+    return q * scale
+
+
 def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
                      offsets: Tensor = None) -> Tensor:
-    """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two)."""
+    """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
+    AVX2 build see x rounded to 16 bits a row (round_rows16)."""
+    if scales is not None and offsets is None and isa() == "avx2":
+        x, dtype = round_rows16(x), x.dtype
+        y = F.linear(x, dequantize(unpack(packed), scales))
+        return (y if bias is None else y + bias.float()).to(dtype)
     y = F.linear(x.float(), dequantize(unpack(packed), scales, offsets))
     return (y if bias is None else y + bias.float()).to(x.dtype)
 

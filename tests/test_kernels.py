@@ -53,6 +53,32 @@ def test_linear_matches_reference_and_rows_are_independent(kind, N):
         assert torch.equal(kernels.linear(x[M - 1:M + 3], packed, bias, scales, offsets), y[M - 1:M + 3]), M
 
 
+def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
+    """The AVX2 build multiplies int8 weights by x rounded to 16-bit integers a row (exact integer sums): its outputs
+    are those of round_rows16(x) to fp32's rounding, past 4096 columns (where the lanes go to fp32) and at the
+    largest products (no integer overflow), with a row of zeros and rows holding a NaN or an inf."""
+    if kernels.isa() != "avx2":
+        pytest.skip("the AVX2 build's int8 path (EAGLE_KERNELS=avx2 runs it on an AVX-512 machine)")
+    g = torch.Generator().manual_seed(2)
+    N, K = 8, 4096 + 512
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g) / 127
+    x = torch.randn(6, K, generator=g) * torch.logspace(-3, 3, K)  # a wide range: the rounding matters
+    x[1] = torch.where(q[0] >= 0, 1.0, -1.0)  # every product of row 1 and weight row 0 at its largest, one sign
+    q[0] = torch.where(q[0] >= 0, 127, -128).to(torch.int8)
+    x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
+    y = kernels.linear(x, kernels.pack(q), None, scales)
+    ref = F.linear(kernels.round_rows16(x).double(), q.double() * scales.double()[:, None]).float()
+    assert torch.equal(kernels.linear_reference(x, kernels.pack(q), None, scales).isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    assert torch.allclose(y[ok], ref[ok], rtol=1e-5, atol=1e-5 * ref[ok].abs().max().item())
+    assert y[1, 0] == pytest.approx(K * 127.5 * scales[0].item(), rel=1e-3)  # 4608 products, none wrapped around
+    assert torch.equal(y[2], torch.zeros(N)) and y[3].isnan().all() and y[4].isnan().all()
+    # not the float sums: x rounded to 16 bits is a different (and, here, visible) result
+    assert not torch.allclose(y[0], F.linear(x[0:1].double(), q.double() * scales.double()[:, None]).float()[0],
+                              rtol=1e-7, atol=0)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 2), (3, 3)])
 def test_attention_matches_reference_and_rows_are_independent(heads, kv_heads):
     """Many query rows go 3 or 2 heads of a KV head at a time (V read once for them), one row alone: each row the
