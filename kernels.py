@@ -789,13 +789,23 @@ inline __m256 exp256(__m256 x) {
 }
 
 inline float softmax_numerators256(float* s, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < n; i++) mx = std::max(mx, s[i]);
+  __m256 vmx = _mm256_set1_ps(-INFINITY);  // the maximum 8 lanes at a time (a scalar loop was a tenth of a row's time)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + i));
+  float lanes[8], mx = -INFINITY;
+  _mm256_storeu_ps(lanes, vmx);
+  for (int j = 0; j < 8; j++) mx = std::max(mx, lanes[j]);
+  for (; i < n; i++) mx = std::max(mx, s[i]);
   const __m256 vmax = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();
-  float buf[8];
-  for (int64_t i = 0; i < n; i += 8) {
-    const int64_t len = std::min<int64_t>(8, n - i);
+  for (i = 0; i + 8 <= n; i += 8) {  // whole vectors in place; the last few through a buffer, the rest masked off
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmax));
+    _mm256_storeu_ps(s + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (i < n) {
+    float buf[8];
+    const int64_t len = n - i;
     for (int64_t j = 0; j < 8; j++) buf[j] = j < len ? s[i + j] : -INFINITY;
     __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(buf), vmax));
     const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)len), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -1087,21 +1097,30 @@ inline __m256 vload256(const E* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// as scores512, 8 columns a vector
-template <typename E>
-void scores256(const float* q, const E* k, int64_t D, float scale, const int64_t* slots, int64_t n, float* scores) {
+// as scores512, 8 columns a vector, for R query rows (qstride apart; scores sstride apart) at once: each piece of K
+// is loaded and widened once for them (widening bf16 K three times was most of a row's time), and each row's
+// scores are the multiply-adds and the sum scores512's order gives one row alone
+template <typename E, int R>
+void scores256(const float* q, int64_t qstride, const E* k, int64_t D, float scale, const int64_t* slots, int64_t n,
+               float* scores, int64_t sstride) {
   for (int64_t i = 0; i < n; i += 4) {
-    const E *k0 = k + slots[i] * D, *k1 = k + slots[std::min(i + 1, n - 1)] * D,
-            *k2 = k + slots[std::min(i + 2, n - 1)] * D, *k3 = k + slots[std::min(i + 3, n - 1)] * D;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const E* kj[4] = {k + slots[i] * D, k + slots[std::min(i + 1, n - 1)] * D, k + slots[std::min(i + 2, n - 1)] * D,
+                      k + slots[std::min(i + 3, n - 1)] * D};
+    __m256 acc[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+      for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qd, vload256(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(qd, vload256(k1 + d), a1);
-      a2 = _mm256_fmadd_ps(qd, vload256(k2 + d), a2);
-      a3 = _mm256_fmadd_ps(qd, vload256(k3 + d), a3);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) {
+        const __m256 kv = vload256(kj[j] + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qstride + d), kv, acc[r][j]);
+      }
     }
-    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_256(a0, a1, a2, a3), _mm_set1_ps(scale)));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+      _mm_storeu_ps(scores + r * sstride + i, _mm_mul_ps(reduce4_256(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(scale)));
   }
 }
 
@@ -1113,10 +1132,8 @@ void attend_rows256(const float* q, int64_t qstride, const E* k, const E* v, con
   constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;  // 8-column chunks a pass
   const int64_t n = visible_slots(mask, S, slots);
   float inv[R];
-  for (int r = 0; r < R; r++) {
-    scores256<E>(q + r * qstride, k, D, scale, slots, n, scores + r * (S + 4));
-    inv[r] = n ? 1.0f / softmax_numerators256(scores + r * (S + 4), n) : 0.0f;
-  }
+  scores256<E, R>(q, qstride, k, D, scale, slots, n, scores, S + 4);
+  for (int r = 0; r < R; r++) inv[r] = n ? 1.0f / softmax_numerators256(scores + r * (S + 4), n) : 0.0f;
   for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
     const int64_t chunks = std::min<int64_t>(C, (D - d0) / 8);
     __m256 acc[R][C];
