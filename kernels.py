@@ -177,6 +177,7 @@ __attribute__((always_inline)) inline uint16_t to_bf16(float f) {  // round to n
 // is encoded as the AVX kernel around it: called as a function (plain SSE after the kernel's 256-bit code) it doubled
 // a one-row int8 pass on a Zen 3 (384 x 576 from L2, one thread: 31.9 -> 17.4 us)
 __attribute__((always_inline)) inline void finish4(const Lin& a, int64_t m, int64_t n, __m128 v) {
+  if (a.xs) v = _mm_mul_ps(v, _mm_set1_ps(a.xs[m]));  // KernelI8: the row's scale first
   if (a.scales && !a.offsets) v = _mm_mul_ps(v, _mm_loadu_ps(a.scales + n));
   if (a.bias) v = _mm_add_ps(v, _mm_loadu_ps(a.bias + n));
   if (a.out_bf16) {
@@ -533,6 +534,27 @@ inline float reduce1_256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// the AVX2 kernels' rows of one block: 1-2 activation rows against its 4 weight rows at once (Kernel::block), 3-6
+// against weight rows 0-1, then 2-3 (Kernel::pair), so that the accumulators fit the 16 registers
+template <class Kernel, int MB>
+inline void pairs(const Lin& a, int64_t m0, int64_t n0) {
+  float res[MB][4];
+  Kernel::template pair<MB>(a, m0, n0, 0, res);
+  Kernel::template pair<MB>(a, m0, n0, 2, res);
+  for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, _mm_loadu_ps(res[i]));
+}
+template <class Kernel>
+inline void rows_of_block(const Lin& a, int64_t m0, int mb, int64_t n0) {
+  switch (mb) {
+    case 1: Kernel::template block<1>(a, m0, n0); break;
+    case 2: Kernel::template block<2>(a, m0, n0); break;
+    case 3: pairs<Kernel, 3>(a, m0, n0); break;
+    case 4: pairs<Kernel, 4>(a, m0, n0); break;
+    case 5: pairs<Kernel, 5>(a, m0, n0); break;
+    default: pairs<Kernel, 6>(a, m0, n0); break;
+  }
+}
+
 template <int WT>
 struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at most 2 activation rows x 4); int8: KernelI8
   // A block row's bytes (the next row of a block starts this far on), and where row n0's 32 columns from 32 * kb
@@ -602,25 +624,9 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
       res[i][j0] = r[0], res[i][j0 + 1] = r[1];
     }
   }
-  template <int MB>
-  static inline void pairs(const Lin& a, int64_t m0, int64_t n0) {
-    float res[MB][4];
-    pair<MB>(a, m0, n0, 0, res);
-    pair<MB>(a, m0, n0, 2, res);
-    for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, _mm_loadu_ps(res[i]));
-  }
   static constexpr int WIDE = 1;  // 8 weight rows at one activation row were slower here (AVX2 build on Intel)
   static constexpr int MAX_MB = 6;
-  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
-    switch (mb) {
-      case 1: block<1>(a, m0, n0); break;
-      case 2: block<2>(a, m0, n0); break;
-      case 3: pairs<3>(a, m0, n0); break;
-      case 4: pairs<4>(a, m0, n0); break;
-      case 5: pairs<5>(a, m0, n0); break;
-      default: pairs<6>(a, m0, n0); break;
-    }
-  }
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) { rows_of_block<Kernel256>(a, m0, mb, n0); }
 };
 
 // int8 weights on AVX2: the activations rounded to 16-bit integers, a scale per row (quantize_rows16), and each
@@ -679,9 +685,8 @@ struct KernelI8 {
         for (int j = 0; j < 4; j++) to_sum(sum[i][j], acc[i][j], c0);
     }
     for (int i = 0; i < MB; i++)
-      finish4(a, m0 + i, n0, _mm_mul_ps(reduce4_256(_mm256_load_ps(sum[i][0]), _mm256_load_ps(sum[i][1]),
-                                                    _mm256_load_ps(sum[i][2]), _mm256_load_ps(sum[i][3])),
-                                        _mm_set1_ps(a.xs[m0 + i])));
+      finish4(a, m0 + i, n0, reduce4_256(_mm256_load_ps(sum[i][0]), _mm256_load_ps(sum[i][1]),
+                                         _mm256_load_ps(sum[i][2]), _mm256_load_ps(sum[i][3])));
   }
   // 3-6 rows: weight rows j0, j0 + 1 against MB rows, as Kernel256::pair (each output's lanes and their sum as block's)
   template <int MB>
@@ -721,25 +726,9 @@ struct KernelI8 {
       res[i][j0] = r[0], res[i][j0 + 1] = r[1];
     }
   }
-  template <int MB>
-  static inline void pairs(const Lin& a, int64_t m0, int64_t n0) {
-    float res[MB][4];
-    pair<MB>(a, m0, n0, 0, res);
-    pair<MB>(a, m0, n0, 2, res);
-    for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, _mm_mul_ps(_mm_loadu_ps(res[i]), _mm_set1_ps(a.xs[m0 + i])));
-  }
   static constexpr int WIDE = 1;
   static constexpr int MAX_MB = 6;
-  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
-    switch (mb) {
-      case 1: block<1>(a, m0, n0); break;
-      case 2: block<2>(a, m0, n0); break;
-      case 3: pairs<3>(a, m0, n0); break;
-      case 4: pairs<4>(a, m0, n0); break;
-      case 5: pairs<5>(a, m0, n0); break;
-      default: pairs<6>(a, m0, n0); break;
-    }
-  }
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) { rows_of_block<KernelI8>(a, m0, mb, n0); }
 };
 #undef I8_ADD
 
