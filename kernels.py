@@ -528,6 +528,13 @@ inline __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+inline float max1_256(__m256 v) {  // the largest of the 8 lanes (any order: max is exact)
+  float lanes[8], mx = -INFINITY;
+  _mm256_storeu_ps(lanes, v);
+  for (int j = 0; j < 8; j++) mx = std::max(mx, lanes[j]);
+  return mx;
+}
+
 inline float reduce1_256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -753,11 +760,10 @@ void quantize_rows16(const E* x, int64_t M, int64_t K, int16_t* q, float* scale)
       bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       mx = _mm256_max_ps(mx, v);
     }
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, mx);
-    for (int j = 0; j < 8; j++) amax = std::max(amax, lanes[j]);
-    if (_mm256_movemask_ps(bad) || amax == 0.0f || std::isinf(amax)) {
-      scale[m] = amax == 0.0f && !_mm256_movemask_ps(bad) ? 0.0f : NAN;
+    const float amax = max1_256(mx);
+    const bool finite = !_mm256_movemask_ps(bad) && !std::isinf(amax);
+    if (!finite || amax == 0.0f) {
+      scale[m] = finite ? 0.0f : NAN;
       std::memset(qr, 0, K * sizeof(int16_t));
       continue;
     }
@@ -791,9 +797,7 @@ inline float softmax_numerators256(float* s, int64_t n) {
   __m256 vmx = _mm256_set1_ps(-INFINITY);  // the maximum 8 lanes at a time (a scalar loop was a tenth of a row's time)
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + i));
-  float lanes[8], mx = -INFINITY;
-  _mm256_storeu_ps(lanes, vmx);
-  for (int j = 0; j < 8; j++) mx = std::max(mx, lanes[j]);
+  float mx = max1_256(vmx);
   for (; i < n; i++) mx = std::max(mx, s[i]);
   const __m256 vmax = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();
@@ -1425,11 +1429,8 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
                      offsets: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 build see x rounded to 16 bits a row (round_rows16)."""
-    if scales is not None and offsets is None and isa() == "avx2":
-        x, dtype = round_rows16(x), x.dtype
-        y = F.linear(x, dequantize(unpack(packed), scales))
-        return (y if bias is None else y + bias.float()).to(dtype)
-    y = F.linear(x.float(), dequantize(unpack(packed), scales, offsets))
+    int16_rows = scales is not None and offsets is None and isa() == "avx2"
+    y = F.linear(round_rows16(x) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
