@@ -166,12 +166,16 @@ __attribute__((always_inline)) inline void prefetch_ahead(const Lin& a, int64_t 
   for (int64_t l = 0; l < a.ahead_lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
 
-__attribute__((always_inline)) inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
+// four floats rounded to bf16 as torch does (to nearest even; NaN -> 0x7fc0), in SSE2, in the low 8 bytes: the
+// scalar rounding of each, 20 an int8 block at 5 rows, was ~5% of the block's time
+__attribute__((always_inline)) inline __m128i to_bf16x4(__m128 v) {
+  const __m128i u = _mm_castps_si128(v);
+  const __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  __m128i r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(odd, _mm_set1_epi32(0x7fff))), 16);
+  const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(v, v));
+  r = _mm_or_si128(_mm_andnot_si128(nan, r), _mm_and_si128(nan, _mm_set1_epi32(0x7fc0)));
+  r = _mm_srai_epi32(_mm_slli_epi32(r, 16), 16);  // each 16 bits as a signed value, which the signed pack keeps
+  return _mm_packs_epi32(r, r);
 }
 
 // the last step for four output columns n..n+3 of row m: int8 scale, bias, store. Always inlined, so that its SSE
@@ -182,9 +186,7 @@ __attribute__((always_inline)) inline void finish4(const Lin& a, int64_t m, int6
   if (a.scales && !a.offsets) v = _mm_mul_ps(v, _mm_loadu_ps(a.scales + n));
   if (a.bias) v = _mm_add_ps(v, _mm_loadu_ps(a.bias + n));
   if (a.out_bf16) {
-    float s[4];
-    _mm_storeu_ps(s, v);
-    for (int j = 0; j < 4; j++) ((uint16_t*)a.out)[m * a.N + n + j] = to_bf16(s[j]);
+    _mm_storel_epi64((__m128i*)((uint16_t*)a.out + m * a.N + n), to_bf16x4(v));
   } else {
     _mm_storeu_ps((float*)a.out + m * a.N + n, v);
   }
@@ -543,13 +545,14 @@ inline float reduce1_256(__m256 v) {
 }
 
 // the AVX2 kernels' rows of one block: 1-2 activation rows against its 4 weight rows at once (Kernel::block), 3-6
-// against weight rows 0-1, then 2-3 (Kernel::pair), so that the accumulators fit the 16 registers
+// against weight rows 0-1, then 2-3 (Kernel::pair), so that the accumulators fit the 16 registers; each vector's
+// lanes are summed by reduce4_256's own tree whatever the other three are, so a row is the same as block<1>'s
 template <class Kernel, int MB>
 inline void pairs(const Lin& a, int64_t m0, int64_t n0) {
-  float res[MB][4];
-  Kernel::template pair<MB>(a, m0, n0, 0, res);
-  Kernel::template pair<MB>(a, m0, n0, 2, res);
-  for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, _mm_loadu_ps(res[i]));
+  __m256 lanes[MB][4];
+  Kernel::template pair<MB>(a, m0, n0, 0, lanes);
+  Kernel::template pair<MB>(a, m0, n0, 2, lanes);
+  for (int i = 0; i < MB; i++) finish4(a, m0 + i, n0, reduce4_256(lanes[i][0], lanes[i][1], lanes[i][2], lanes[i][3]));
 }
 template <class Kernel>
 inline void rows_of_block(const Lin& a, int64_t m0, int mb, int64_t n0) {
@@ -602,9 +605,9 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
   // 2+ activation rows: weight rows j0, j0+1 of the block against MB rows (2 x MB accumulators), so each weight vector
   // is converted once for all of them. With 4 weight rows only 2 activation rows fit the 16 registers, and 5 rows
   // converted every weight 3 times: 2.7x one row's time (forced AVX2 on Emerald Rapids). Each output sums the same
-  // products in the same order as block<1>, and reduce4_256(a, b, a, b) sums a's and b's lanes by reduce4's tree
+  // products in the same order as block<1>, and pairs sums the two passes' lanes by one reduce4_256, as block<1>
   template <int MB>
-  static inline void pair(const Lin& a, int64_t m0, int64_t n0, int j0, float (*res)[4]) {
+  static inline void pair(const Lin& a, int64_t m0, int64_t n0, int j0, __m256 (*lanes)[4]) {
     __m256 acc[MB][2], sc0 = _mm256_setzero_ps(), of0 = sc0, sc1 = sc0, of1 = sc0;
     for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const char* w0 = a.row(n0 + j0, 0);
@@ -626,11 +629,7 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
         }
       }
     }
-    for (int i = 0; i < MB; i++) {
-      float r[4];
-      _mm_storeu_ps(r, reduce4_256(acc[i][0], acc[i][1], acc[i][0], acc[i][1]));
-      res[i][j0] = r[0], res[i][j0 + 1] = r[1];
-    }
+    for (int i = 0; i < MB; i++) lanes[i][j0] = acc[i][0], lanes[i][j0 + 1] = acc[i][1];
   }
   static constexpr int WIDE = 1;  // 8 weight rows at one activation row were slower here (AVX2 build on Intel)
   static constexpr int MAX_MB = 6;
@@ -654,6 +653,12 @@ struct KernelI8 {
   static inline void prefetch_near(const Lin& a, int64_t n0, int64_t kb) {
     const char* p = a.w + ((n0 - a.n_base) / 4 * (a.K / 32) + kb) * 128 + 2048;
     _mm_prefetch(p, _MM_HINT_T0), _mm_prefetch(p + 64, _MM_HINT_T0);
+  }
+  // 3-6 rows read a block twice (weight rows 0-1, then 2-3, the second time from L1): one line a step of either
+  // pass, from a block and 2 KB ahead, keeps DRAM as busy in the second pass as in the first
+  static inline void prefetch_even(const Lin& a, int64_t n0, int64_t t) {
+    const int64_t KB = a.K / 32;
+    _mm_prefetch(a.w + (n0 - a.n_base) / 4 * KB * 128 + KB * 64 + 2048 + t * 64, _MM_HINT_T0);
   }
   static inline void to_sum(float* sum, __m256i acc, int64_t c0) {  // a chunk's integer lanes into the fp32 ones
     const __m256 f = _mm256_cvtepi32_ps(acc);
@@ -698,7 +703,7 @@ struct KernelI8 {
   }
   // 3-6 rows: weight rows j0, j0 + 1 against MB rows, as Kernel256::pair (each output's lanes and their sum as block's)
   template <int MB>
-  static inline void pair(const Lin& a, int64_t m0, int64_t n0, int j0, float (*res)[4]) {
+  static inline void pair(const Lin& a, int64_t m0, int64_t n0, int j0, __m256 (*lanes)[4]) {
     alignas(32) float sum[MB][2][8];
     const char* w0 = a.row(n0 + j0, 0);
     const int16_t* x = a.xq + m0 * a.K;
@@ -707,7 +712,7 @@ struct KernelI8 {
       const __m256i z = _mm256_setzero_si256();
       __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
       for (int64_t kb = c0; kb < std::min(KB, c0 + CHUNK); kb++) {
-        if (a.ahead_lines && j0 == 0) prefetch_near(a, n0, kb);
+        if (a.ahead_lines) prefetch_even(a, n0, (j0 >> 1) * KB + kb);
         const char* p = w0 + kb * 4 * BB;
 #pragma GCC unroll 2
         for (int s = 0; s < 2; s++) {
@@ -727,12 +732,7 @@ struct KernelI8 {
       for (int i = 0; i < MB; i++)
         for (int j = 0; j < 2; j++) to_sum(sum[i][j], acc[i][j], c0);
     }
-    for (int i = 0; i < MB; i++) {
-      float r[4];
-      const __m256 s0 = _mm256_load_ps(sum[i][0]), s1 = _mm256_load_ps(sum[i][1]);
-      _mm_storeu_ps(r, reduce4_256(s0, s1, s0, s1));
-      res[i][j0] = r[0], res[i][j0 + 1] = r[1];
-    }
+    for (int i = 0; i < MB; i++) lanes[i][j0] = _mm256_load_ps(sum[i][0]), lanes[i][j0 + 1] = _mm256_load_ps(sum[i][1]);
   }
   static constexpr int WIDE = 1;
   static constexpr int MAX_MB = 6;
