@@ -79,6 +79,34 @@ def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
                               rtol=1e-7, atol=0)
 
 
+@pytest.mark.parametrize("M", [1, 5])  # one row (block) and three to six (pairs: both passes' lanes summed once)
+def test_bf16_outputs_round_as_torch_does(M):
+    """Each fp32 sum to bf16 as torch's own conversion: ties to even, a NaN, infinities, the largest finite values
+    rounding up to inf, subnormals: outputs x, -x, x + x / 256 (a tie for many x) and 2x."""
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.00390625, 1.01171875, 3.3895e38, -3.3895e38, 1e-40, -2.5e-39,
+                           float("inf"), -float("inf"), float("nan"), 65504.0, 3.0e-39, 7.1e-3])
+    w = torch.zeros(4, 32)
+    w[0, 0], w[1, 0], w[2, 0], w[2, 1], w[3, 0] = 1.0, -1.0, 1.0, 1.0, 2.0
+    packed = kernels.pack(w.bfloat16())
+    for v in values:
+        x = torch.zeros(M, 32)
+        x[:, 0], x[:, 1] = v, v / 256
+        x = x.bfloat16()
+        y = kernels.linear(x, packed)
+        ref = F.linear(x.float(), w).bfloat16()
+        assert torch.equal(y.view(torch.int16)[ref.isnan()], torch.full_like(y.view(torch.int16)[ref.isnan()], 0x7fc0))
+        assert torch.equal(y.view(torch.int16)[~ref.isnan()], ref.view(torch.int16)[~ref.isnan()]), (v, y, ref)
+
+
+def test_a_large_weight_packs_onto_huge_pages_unchanged():
+    """pack() asks for 2 MB pages for a weight of 4 MB+ (on_huge_pages): the same numbers, unpack() gives them back."""
+    w = torch.randint(-127, 128, (4096, 1152), dtype=torch.int8)
+    packed = kernels.pack(w)
+    assert torch.equal(kernels.unpack(packed), w)
+    assert isinstance(kernels.on_huge_pages(torch.empty(4 << 20, dtype=torch.uint8)), bool)
+    assert not kernels.on_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no whole 2 MB page to give
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 2), (3, 3)])
 def test_attention_matches_reference_and_rows_are_independent(heads, kv_heads):
     """Many query rows go 3 or 2 heads of a KV head at a time (V read once for them), one row alone: each row the
