@@ -28,7 +28,7 @@ import torch
 
 import generate as gen
 import kernels
-from eagle_head import load_head, random_head
+from eagle_head import random_head
 from generate import (DTYPES, CheckpointError, default_checkpoint, default_gguf, die, load_model,
                       model_size_bytes, peak_memory_bytes)
 from tokenizer import apply_chat_template, get_tokenizer
@@ -180,7 +180,8 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
                 draft = args.draft or (str(gen.DEFAULT_HEAD) if gen.DEFAULT_HEAD.is_dir() else "random")
                 dtype = DTYPES[weights if weights in DTYPES else args.dtype]
                 heads[weights] = (random_head(models[weights]) if draft == "random"
-                                  else load_head(draft, models[weights], args.device, dtype))
+                                  else gen.load_draft_head(draft, models[weights], args.device, dtype,
+                                                           args.draft_quant))
             sized = tree_args(args, weights)
             drafter = gen.tree_drafter(heads[weights], name.split("-", 1)[1], sized)
             drafters[spec] = gen.timed_drafter(models[weights], drafter, sized, prompts[0][1])
@@ -316,6 +317,7 @@ def main(argv=None):
                    help=f"comma-separated NAME[@WEIGHTS], NAME from {', '.join(METHODS + PEERS)}")
     p.add_argument("--checkpoint", type=Path, default=None)
     p.add_argument("--draft", default=None, help="head directory, or 'random' (default: the shipped head)")
+    p.add_argument("--draft_quant", default="auto", help="the head's weights, as generate.py's --draft_quant")
     p.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp (default: the default model's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu")

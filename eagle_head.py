@@ -26,7 +26,7 @@ import kernels
 from model import (Attention, FeedForward, KVCache, Linear, ModelArgs, RMSNorm, TransformerBlock, aligned,
                    args_from_hf_config, linear, pack_weights, permute_rotate_half, precompute_freqs_cis)
 from quantize import HEAD_CONFIG, HEAD_FILE, prepare, swap_modules  # noqa: F401 (the project layout's names)
-from quantize import Int4Linear, Int8Linear, quantize_int8
+from quantize import Int4Linear, Int8Linear, QuantizeError, parse_name, quantize_head_weights, quantize_int8
 
 
 # EAGLE-1's default tree for 7B models: each path lists child ranks (0 = the draft's top-1) from the root.
@@ -437,7 +437,8 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
     """Loads a head (EagleHead or Eagle3Head) from the project layout (head_config.json) or an official layout
     (config.json + pytorch_model.bin / model.safetensors: EAGLE-1/2, SafeAILab EAGLE-3, speculators EAGLE-3),
     checks it fits the target, and attaches the target's embedding (and LM head). Raises ValueError / FileNotFoundError with a clear message. A quantized head (quantize.py
-    --draft) is asked for by quantization="int8" / "int4.g32" or by its file's path, e.g. DIR/head_int8.safetensors."""
+    --draft) is asked for by quantization="int8" / "int4.g32" or by its file's path, e.g. DIR/head_int8.safetensors;
+    a project-layout head without that file is quantized in memory, as quantize.py would write it."""
     path = Path(path)
     weights_file = f"head_{quantization}.safetensors" if quantization else HEAD_FILE
     if path.is_file():
@@ -455,7 +456,16 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
             if name in want and want[name] != getattr(target.config, name):
                 raise ValueError(f"draft head was trained for a target with {name}={want[name]}, "
                                  f"but this target has {name}={getattr(target.config, name)}")
-        weights = _load_weights(path / weights_file)
+        if quantization and weights_file != HEAD_FILE and not (path / weights_file).is_file():
+            try:
+                mode, groupsize, head8 = parse_name(quantization)
+                if head8:
+                    raise QuantizeError(f"{quantization!r}: a head has no .head8 variant (its LM head is one of its weights)")
+                weights = quantize_head_weights(_load_weights(path / HEAD_FILE), mode, groupsize)
+            except QuantizeError as e:
+                raise ValueError(f"draft head {path}: {e}") from None
+        else:
+            weights = _load_weights(path / weights_file)
         if config.get("kind") == "eagle3":
             head = Eagle3Head(args, config["target_dim"], config["feature_layers"], config["draft_vocab_size"],
                               config.get("norm_before_residual", False), config.get("extra_layers", 0))

@@ -23,7 +23,7 @@ from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, he
                         tree_ancestors, tree_attention_mask, tree_from_paths)
 from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, default_checkpoint,  # noqa: F401
                    default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
-from quantize import load_quantized, parse_name, quantize_checkpoint, quantized_file
+from quantize import HEAD_CONFIG, load_quantized, parse_name, quantize_checkpoint, quantized_file
 from tp import init_distributed, shard_model
 from tokenizer import apply_chat_template, get_tokenizer
 
@@ -494,6 +494,9 @@ def build_parser():
     p.add_argument("--draft", default=None,
                    help="EAGLE head directory (project or official layout), 'random' for an untrained head, or "
                         "'none' for plain decoding (default: the shipped head for the default model, if present)")
+    p.add_argument("--draft_quant", default="auto",
+                   help="the head's weights: int8 or int4.g32 (quantize.py --draft's file, or quantized at load), "
+                        "none: as saved; auto: int8 on CPUs whose kernels.py build is AVX2 only, else as saved")
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
 
     def sizes(key):
@@ -543,6 +546,12 @@ def check_args(args):
         return f"--top_k must be at least 1, got {args.top_k}"
     if args.max_seq_length is not None and args.max_seq_length < 2:
         return f"--max_seq_length must be at least 2, got {args.max_seq_length}"
+    if args.draft_quant not in ("auto", "none"):
+        try:
+            if parse_name(args.draft_quant)[2]:
+                return f"--draft_quant {args.draft_quant!r}: a head has no .head8 variant (try int8)"
+        except ValueError as e:
+            return f"--draft_quant: {e}"
     return check_tree(args)  # the flags given; again once resolve_defaults() has filled the rest
 
 
@@ -569,8 +578,25 @@ def load_drafter(args, model, checkpoint):
     if draft == "random":
         head = random_head(model, seed=args.seed)
     else:
-        head = load_head(draft, model, model.tok_embeddings.weight.device, dtype)
+        head = load_draft_head(draft, model, model.tok_embeddings.weight.device, dtype, args.draft_quant)
     return tree_drafter(head, args.tree, args)
+
+
+def fastest_draft_quant(device) -> str | None:
+    """--draft_quant auto: int8 heads where kernels.py's build is AVX2 only (a bf16 head there runs fp32
+    multiply-adds on converted weights; an int8 one the integer kernel, half the bytes): on a Zen 3, int8.head8
+    target, `scripts/cycle_cost.py`: the draft 3.86 -> 1.83 ms, a cycle 1.60 -> 1.41 plain steps (on a Zen 4 with
+    bf16 dot products an int8 head was no faster: docs/performance.md). Elsewhere the head as saved."""
+    return "int8" if torch.device(device).type == "cpu" and kernels.isa() == "avx2" else None
+
+
+def load_draft_head(draft, model, device, dtype, quant="auto"):
+    """load_head with --draft_quant: auto is fastest_draft_quant() for a project-layout head directory (a head
+    file, or an official layout, loads as it is); none the head as saved; a name (int8, int4.g32) that variant."""
+    if quant == "auto":
+        project_dir = Path(draft).is_dir() and (Path(draft) / HEAD_CONFIG).is_file()
+        quant = fastest_draft_quant(device) if project_dir else None
+    return load_head(draft, model, device, dtype, quantization=None if quant in (None, "none") else quant)
 
 
 def tree_drafter(head, tree, args):

@@ -498,17 +498,10 @@ def quantize_checkpoint(checkpoint_dir, mode, groupsize=None, quantize_head=Fals
 HEAD_CONFIG, HEAD_FILE = "head_config.json", "head.safetensors"  # an EAGLE head in the project layout (eagle_head.py)
 
 
-def quantize_head_dir(head_dir, mode, groupsize=None, pad=False) -> Path:
-    """Write head_<name>.safetensors beside a project-layout EAGLE head and list it in its head_config.json: each
-    Linear weight (2-D, fc and the decoder layer's) quantized as a model's are; norms and the vocabulary kept."""
-    head_dir = Path(head_dir)
-    if not (head_dir / HEAD_CONFIG).is_file():
-        raise QuantizeError(f"{head_dir} is not a project-layout head directory (no {HEAD_CONFIG})")
-    try:
-        config = json.loads((head_dir / HEAD_CONFIG).read_text())
-        weights = load_safetensors(head_dir / HEAD_FILE)
-    except (CheckpointError, json.JSONDecodeError) as e:
-        raise QuantizeError(f"{head_dir}: {e}") from None
+def quantize_head_weights(weights, mode, groupsize=None, pad=False) -> dict:
+    """A head's tensors with each Linear weight (2-D: fc and the decoder layer's) quantized as a model's are, beside
+    its scales (and zeros); norms and the vocabulary kept. What quantize_head_dir writes, and what load_head
+    computes in memory when asked for a quantized head that was never written."""
     linears = [k[:-len(".weight")] for k, v in weights.items() if k.endswith(".weight") and v.dim() == 2]
     if mode == "int4" and not pad:
         bad = {n: weights[f"{n}.weight"].shape[1] for n in linears if weights[f"{n}.weight"].shape[1] % groupsize}
@@ -524,6 +517,21 @@ def quantize_head_dir(head_dir, mode, groupsize=None, pad=False) -> Path:
             padded = -(-w.shape[1] // groupsize) * groupsize
             q, state[f"{n}.scales"], state[f"{n}.zeros"] = quantize_int4(F.pad(w, (0, padded - w.shape[1])), groupsize)
             state[f"{n}.weight"] = pack_nibbles(q)
+    return state
+
+
+def quantize_head_dir(head_dir, mode, groupsize=None, pad=False) -> Path:
+    """Write head_<name>.safetensors beside a project-layout EAGLE head and list it in its head_config.json: each
+    Linear weight (2-D, fc and the decoder layer's) quantized as a model's are; norms and the vocabulary kept."""
+    head_dir = Path(head_dir)
+    if not (head_dir / HEAD_CONFIG).is_file():
+        raise QuantizeError(f"{head_dir} is not a project-layout head directory (no {HEAD_CONFIG})")
+    try:
+        config = json.loads((head_dir / HEAD_CONFIG).read_text())
+        weights = load_safetensors(head_dir / HEAD_FILE)
+    except (CheckpointError, json.JSONDecodeError) as e:
+        raise QuantizeError(f"{head_dir}: {e}") from None
+    state = quantize_head_weights(weights, mode, groupsize, pad)
     name = quant_name(mode, groupsize)
     entry = {"mode": mode, "groupsize": groupsize, "file": f"head_{name}.safetensors"}
     from safetensors.torch import save_file

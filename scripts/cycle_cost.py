@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate as gen  # noqa: E402
 import kernels  # noqa: E402
-from eagle_head import load_head, tree_ancestors, tree_attention_mask  # noqa: E402
+from eagle_head import tree_ancestors, tree_attention_mask  # noqa: E402
 from generate import DTYPES, default_checkpoint  # noqa: E402
 from tokenizer import apply_chat_template, get_tokenizer  # noqa: E402
 
@@ -43,6 +43,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--quant", default=None, help="a quantized variant (int8, int4.g32, ...)")
     p.add_argument("--draft", default=str(gen.DEFAULT_HEAD), help="head directory, or 'random'")
+    p.add_argument("--draft_quant", default="auto", help="the head's weights, as generate.py's --draft_quant")
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"])
     # unset tree flags: generate.py's default for these weights here (gen.default_tree)
     p.add_argument("--depth", type=int, default=None)
@@ -57,7 +58,7 @@ def main():
     checkpoint = args.checkpoint or default_checkpoint()
     model = gen.load_model_or_die(checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     dtype = model.norm.weight.dtype
-    head = gen.random_head(model) if args.draft == "random" else load_head(args.draft, model, "cpu", dtype)
+    head = gen.random_head(model) if args.draft == "random" else gen.load_draft_head(args.draft, model, "cpu", dtype, args.draft_quant)
     drafter = gen.tree_drafter(head, args.tree, argparse.Namespace(**vars(args), tree_paths=None))
     config = model.checkpoint_config
     prompt = get_tokenizer(checkpoint).encode(apply_chat_template(

@@ -266,6 +266,26 @@ def test_default_weights_follow_the_cpu(monkeypatch, isa, argv, dtype, quant):
     assert gen.fastest_quant("cuda") is None
 
 
+@pytest.mark.parametrize("isa, given, kind", [
+    ("avx2", "auto", "int8"), ("avx512_bf16", "auto", "float"), ("avx2", "none", "float"),
+    ("avx512_bf16", "int8", "int8"), ("avx2", "int4.g32", "int4")])
+def test_default_head_weights_follow_the_cpu(tmp_path, monkeypatch, isa, given, kind):
+    """--draft_quant auto: an int8 head where kernels.py's build is AVX2 only, quantized at load (nothing written
+    beside the head); the head as saved elsewhere, or with none; a head file given loads as it is."""
+    import kernels
+    import quantize as Q
+    from eagle_head import random_head, save_head, target_info
+    from model import Linear
+    monkeypatch.setattr(kernels, "isa", lambda: isa)
+    target = make_tiny_model()
+    save_head(random_head(target, seed=1), tmp_path / "head", target_info(target))
+    head = gen.load_draft_head(tmp_path / "head", target, "cpu", torch.float32, given)
+    assert type(head.fc) is {"int8": Q.Int8Linear, "int4": Q.Int4Linear, "float": Linear}[kind]
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["head.safetensors", "head_config.json"]
+    as_file = gen.load_draft_head(tmp_path / "head" / "head.safetensors", target, "cpu", torch.float32, "auto")
+    assert type(as_file.fc) is Linear
+
+
 def test_auto_quant_writes_int8_weights_on_first_use(tmp_path, capsys, monkeypatch):
     """--quant auto's int8 weights (LM head too) are written beside the checkpoint once, then loaded; a process that may not write, or a
     directory that cannot take the file, gets the float weights and one line saying why."""

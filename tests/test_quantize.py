@@ -312,6 +312,25 @@ def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize, dtype):
     assert greedy(target, [1, 2, 3], 60, 160, draft=drafter) == greedy(target, [1, 2, 3], 60, 160)
 
 
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+def test_a_quantized_head_never_written_is_quantized_at_load(tmp_path, mode, groupsize):
+    """load_head(quantization=...) of a head directory without that file: the same tensors as quantize.py --draft
+    writes, computed in memory; nothing written. A .head8 name is a one-line ValueError."""
+    target = make_tiny_model()
+    head = random_head(target, seed=3)
+    save_head(head, tmp_path / "head", target_info(target))
+    name = Q.quant_name(mode, groupsize)
+    in_memory = load_head(tmp_path / "head", target, quantization=name)
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["head.safetensors", "head_config.json"]
+    Q.main(["--draft", str(tmp_path / "head"), "--mode", mode] + (["--groupsize", "32"] if groupsize else []))
+    from_file = load_head(tmp_path / "head", target, quantization=name)
+    assert type(in_memory.fc) is (Q.Int8Linear if mode == "int8" else Q.Int4Linear)
+    a, b = in_memory.state_dict(), from_file.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="no .head8 variant"):
+        load_head(tmp_path / "head", target, quantization="int8.head8")
+
+
 # ---------------------------------------------------------------- exactness of speculative decoding
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
