@@ -166,8 +166,8 @@ __attribute__((always_inline)) inline void prefetch_ahead(const Lin& a, int64_t 
   for (int64_t l = 0; l < a.ahead_lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
 
-// four floats rounded to bf16 as torch does (to nearest even; NaN -> 0x7fc0), in SSE2, in the low 8 bytes: the
-// scalar rounding of each, 20 an int8 block at 5 rows, was ~5% of the block's time
+// four floats rounded to bf16 as torch does (to nearest even; NaN -> 0x7fc0), in SSE2, in the low 8 bytes (the
+// linears' outputs and attention's rows; the linears rounded each float alone before, 20 an int8 block at 5 rows)
 __attribute__((always_inline)) inline __m128i to_bf16x4(__m128 v) {
   const __m128i u = _mm_castps_si128(v);
   const __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
@@ -703,10 +703,11 @@ struct KernelI8 {
     const char* w0 = a.row(n0 + j0, 0);
     const int16_t* x = a.xq + m0 * a.K;
     const int64_t KB = a.K / 32;
-    // the block is read twice (weight rows 0-1, then 2-3, the second time from L1): one line a step of either pass,
-    // from a block and 2 KB ahead, keeps DRAM as busy in the second pass as in the first. The pointer is set here:
-    // computed from Lin's fields each step, it was 14 of a step's 68 instructions (five rows 5% slower)
-    const char* ahead = a.ahead_lines ? w0 - 32 * j0 + (2 + j0) * KB * 32 + NEAR : nullptr;
+    // the block is read twice (weight rows 0-1, then 2-3, the second time from L1): one line a step of either pass
+    // (half a block a pass), starting half a block + 2 KB past the block's start, keeps DRAM as busy in the second
+    // pass as in the first. The pointer is set here: computed from Lin's fields each step, it was 14 of a step's 68
+    // instructions (five rows 5% slower)
+    const char* ahead = a.ahead_lines ? a.row(n0, 0) + (2 + j0) * KB * 32 + NEAR : nullptr;
     for (int64_t c0 = 0; c0 < KB; c0 += CHUNK) {
       const __m256i z = _mm256_setzero_si256();
       __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
@@ -1166,21 +1167,10 @@ void attend_rows256(const float* q, int64_t qstride, const E* k, const E* v, con
 }
 #pragma GCC pop_options
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-// an output row from fp32 to bf16, rounded to nearest even as torch's .to() rounds (NaN to its quiet NaN)
+// an output row from fp32 to bf16, rounded as torch's .to() rounds (to_bf16x4, four at a time)
 void store_bf16(const float* x, uint16_t* y, int64_t D) {
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 f = _mm256_loadu_ps(x + d);
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // the 8 halves, in order, in the low 128 bits
-    _mm_storeu_si128((__m128i*)(y + d), _mm256_castsi256_si128(r));
-  }
+  for (int64_t d = 0; d < D; d += 4) _mm_storel_epi64((__m128i*)(y + d), to_bf16x4(_mm_loadu_ps(x + d)));
 }
-#pragma GCC pop_options
 
 // Work items are query rows, or where there are enough of them to keep every thread busy, the R = 2 or 3 query
 // heads of one KV head at one position together (their mask row and slots are one; V is read once for them).
