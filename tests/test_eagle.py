@@ -7,7 +7,7 @@ import torch
 import generate as gen
 from conftest import make_tiny_model
 from eagle_head import (EAGLE1_TREE, EagleHead, StaticTree, head_config_from_target, load_head, random_head,
-                        save_head, target_info, tree_ancestors, tree_from_paths)
+                        save_head, target_info, tree_ancestors, tree_attention_mask, tree_from_paths)
 from generate import Drafter, generate, logits_to_probs
 
 TREES = [("chain", dict(depth=4)), ("static", {}), ("dynamic", dict(depth=4, top_k=3, total_tokens=10))]
@@ -42,6 +42,23 @@ def test_tree_ancestors_from_parents():
             j = parents[j]
             want.add(j)
         assert set(anc[i].nonzero().view(-1).tolist()) == want
+
+
+
+def test_tree_attention_mask_eager_and_compiled():
+    """Row i sees slot j < L, and slot L + w when tree_part[i, w]; nothing else. Compiled too: Inductor once
+    aliased every row of a mask written into an expanded tensor."""
+    torch.manual_seed(0)
+    S = 40
+    compiled = torch.compile(lambda L, part: tree_attention_mask(L, S, part), fullgraph=True, dynamic=False)
+    for L, T, W in ((0, 3, 3), (7, 5, 5), (30, 4, 10), (37, 2, 3)):
+        part = torch.rand(T, W) < 0.5
+        want = torch.zeros(T, S, dtype=torch.bool)
+        want[:, :L] = True
+        want[:, L:L + W] = part
+        L_t = torch.tensor([L])
+        assert torch.equal(tree_attention_mask(L_t, S, part), want)
+        assert torch.equal(compiled(L_t, part), want)
 
 
 # ---------------------------------------------------------------- greedy exactness

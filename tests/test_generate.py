@@ -14,6 +14,19 @@ def test_greedy_is_argmax_and_temperature_zero():
     assert torch.equal(sample(logits, temperature=0).view(-1), logits.argmax(-1).int())
 
 
+def test_argmax_is_torch_argmax_with_ties_first_eager_and_compiled():
+    torch.manual_seed(0)
+    compiled = torch.compile(gen.argmax, fullgraph=True, dynamic=False)
+    for shape, dtype in (((1, 49152), torch.bfloat16), ((5, 1000), torch.float32), ((2, 3, 77), torch.bfloat16)):
+        x = torch.randn(shape).to(dtype)
+        x[..., 5] = x[..., -3] = 100  # a tie: the first index wins, as torch.argmax picks
+        if shape[0] > 1:
+            x[1] = torch.randn(shape[1:]).to(dtype)
+        want = torch.argmax(x, dim=-1, keepdim=True)
+        for got in (gen.argmax(x), compiled(x)):
+            assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+
+
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     p = logits_to_probs(logits, 1.0, top_k=2)
