@@ -2,6 +2,7 @@
 
     python scripts/cycle_cost.py                          # bf16, compiled, the shipped head, the default tree
     python scripts/cycle_cost.py --dtype float32 --quant int4.g32 --tree chain
+    python scripts/cycle_cost.py --quant int8.head8 --profile 25    # and the operators and kernels a cycle runs
 
 A cycle is: feed the head what the last verification accepted and draft a tree (the draft), one target forward
 over the root and the tree (the verification forward), pick the accepted path and move its K/V entries
@@ -51,6 +52,9 @@ def main():
     p.add_argument("--total_tokens", type=int, default=None)
     p.add_argument("--speculate_k", type=int, default=None)
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile 30 cycles and 30 plain steps and print the N operators and Inductor kernels "
+                        "with the most time a call (compiled with Inductor's kernel profiling: a cold compile)")
     args = p.parse_args()
     gen.fill_tree_defaults(args, args.quant or args.dtype, "cpu")
     if (msg := gen.check_tree(args)) is not None:
@@ -70,6 +74,8 @@ def main():
     verify_only = torch.compile(gen.verify_step, fullgraph=True, dynamic=False)
     forward_only = torch.compile(lambda tokens, slots, mask, rope_pos: model(
         tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True), fullgraph=True, dynamic=False)
+    if args.profile:  # each C++ kernel of a compiled graph reports to the profiler under its own name
+        torch._inductor.config.cpp.enable_kernel_profile = True
     gen.compile_steps()
 
     # a real state: the prompt and 64 generated tokens, then the inputs the next cycle gets
@@ -137,6 +143,24 @@ def main():
           f"({per_cycle_loop:.2f} ms in generate) gives at τ:")
     for tau in (stats["mean_accepted"], 2.0, 2.5, 3.0):
         print(f"  τ = {tau:.2f}: {tau * plain / per_cycle_loop:.2f}x")
+    if args.profile:
+        for name, fn in (("plain decode step", parts["plain decode step"]),
+                         ("whole cycle", parts["whole cycle, compiled call + host sync"])):
+            print_profile(name, fn, args.profile)
+
+
+def print_profile(name, fn, top, calls=30):
+    """The profiler's operators and kernels by self CPU time, ms a call. Inductor's kernels are named for the ops
+    they fuse ("graph_1_cpp_fused_..."); "## Call CompiledFxGraph" is the graph's Python launcher itself."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad(), gen.guards_checked_once(1), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / 1e3 / calls
+    print(f"\n{name}: {total:.2f} ms of self CPU time a call; the top {top}\n| ms a call | calls a call | name |\n|---|---|---|")
+    for e in events[:top]:
+        print(f"| {e.self_cpu_time_total / 1e3 / calls:.3f} | {e.count / calls:g} | {e.key[:100]} |")
 
 
 if __name__ == "__main__":
