@@ -44,7 +44,6 @@ def test_tree_ancestors_from_parents():
         assert set(anc[i].nonzero().view(-1).tolist()) == want
 
 
-
 def test_tree_attention_mask_eager_and_compiled():
     """Row i sees slot j < L, and slot L + w when tree_part[i, w]; nothing else. Compiled too: Inductor once
     aliased every row of a mask written into an expanded tensor."""
