@@ -15,7 +15,8 @@ greedy EAGLE output equal plain decoding token for token in every precision.
 Three builds of the same loops, chosen at run time from what the CPU has: AVX-512 with BF16 dot products (Zen 4,
 Zen 5, Sapphire Rapids), AVX-512F, and AVX2 + FMA (most desktop CPUs); and where the CPU has AMX tiles (Xeons from Sapphire
 Rapids on), bf16 weights go through the tiles, which make 16 rows cost about what one does (the tiles sum in their
-own order, so there every bf16 linear takes them, whatever M is). On the AVX2 build int8 weights meet activations
+own order, so there every bf16 linear takes them, whatever M is; the tiles and the BF16 dot products read
+subnormal bf16 inputs, below 1.2e-38, as zero, which no model's activations come near). On the AVX2 build int8 weights meet activations
 rounded to 16-bit integers (a scale per row: max |x| / 32767) in integer dot products, twice the multiply-adds an
 instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the
 text's noise of the float activations' 9.50-9.56). EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
