@@ -19,7 +19,8 @@ own order, so there every bf16 linear takes them, whatever M is; the tiles and t
 subnormal bf16 inputs, below 1.2e-38, as zero, which no model's activations come near). On the AVX2 build int8 weights meet activations
 rounded to 16-bit integers (a scale per row: max |x| / 32767) in integer dot products, twice the multiply-adds an
 instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the
-text's noise of the float activations' 9.50-9.56). EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
+text's noise of the float activations' 9.50-9.56); on AMX the same integers go through the int8 tiles, a high and
+a low byte, and each output is the exact integer dot product rounded to fp32 once. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
@@ -27,7 +28,7 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
 
     torch.ops.eagle_fast.linear(x, w, scales, offsets, bias)
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
-        build rounds x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2) with scales and
+        and AMX builds round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2) with scales and
         offsets (N, K/G) (w = q * scale + offset); -> (M, N) in x's dtype
     torch.ops.eagle_fast.attention(q, k, v, mask)
         q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
@@ -71,11 +72,12 @@ namespace {
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512BF16 = 3, AMX = 4 };
 
-// AMX-BF16 tiles (Sapphire Rapids and later Xeons), and Linux's leave for this process to use their state
+// AMX-BF16 and AMX-INT8 tiles (Sapphire Rapids and later Xeons), and Linux's leave for this process to use them
 bool amx_usable() {
   if (!EAGLE_AMX) return false;
   unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)) || !(d & (1u << 25)))
+    return false;
   return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
@@ -377,7 +379,7 @@ void run_dequantized(const Lin& a) {
 // costs about what one does (the weights' reading), where the vector units made it compute-bound.
 #if EAGLE_AMX
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,amx-int8")
 
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -464,9 +466,102 @@ void run_amx(const Lin& a) {
     });
   }
 }
+
+// int8 weights through the tiles (AMX-INT8). The activations are rounded to 16-bit integers a row, as on AVX2
+// (quantize_rows16), and split into a signed high and an unsigned low byte, x = 256 hi + lo; the weight block
+// (4 rows x 32 int8, as packed) is A, each byte plane B (8 quads of columns x up to 16 rows), and the tiles sum
+// hi . w and lo . w in int32 (TDPBSSD, TDPBSUD; at most 128 x 128 and 255 x 128 a product: no overflow below 65536
+// columns). Integer sums are exact: each output is the exact dot product, 256 hi + lo, rounded to fp32 once,
+// whatever M is and in whatever order the tiles add. No weight is converted, so one row costs what the vector
+// path does and 16 rows about the same (the vector path, converting each weight to bf16: 1.8x at 5 rows).
+inline void configure_tiles_i8(int cols) {
+  TileConfig c;
+  for (int t = 0; t <= 1; t++) c.rows[t] = 8, c.colsb[t] = 4 * cols;   // B: the hi and lo bytes
+  for (int t = 2; t <= 3; t++) c.rows[t] = 4, c.colsb[t] = 32;         // A: two weight blocks
+  for (int t = 4; t <= 7; t++) c.rows[t] = 4, c.colsb[t] = 4 * cols;   // C: hi and lo sums of each block
+  load_tile_config(c);
+}
+
+// the byte planes as B tiles: (panels, K/32, 8 quads, cols, 4) bytes each, zeros past row M
+void quad_layout(const int16_t* xq, int64_t M, int64_t K, int cols, std::vector<uint8_t>& hi, std::vector<uint8_t>& lo) {
+  const int64_t KB = K / 32, panels = (M + cols - 1) / cols;
+  hi.assign(panels * KB * 32 * cols, 0), lo.assign(panels * KB * 32 * cols, 0);
+  for (int64_t m = 0; m < M; m++) {
+    const int64_t base = (m / cols) * KB * 32 * cols + (m % cols) * 4;
+    for (int64_t k = 0; k < K; k++) {
+      const int64_t i = base + (k / 32) * 32 * cols + (k % 32 / 4) * 4 * cols + k % 4;
+      const int16_t v = xq[m * K + k];
+      hi[i] = (uint8_t)(v >> 8), lo[i] = (uint8_t)(v & 255);
+    }
+  }
+}
+
+template <int NB>
+inline void amx_i8_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, int cols, int64_t n0) {
+  const int64_t KB = a.K / 32;
+  for (int64_t m0 = 0; m0 < a.M; m0 += cols, hi += KB * 32 * cols, lo += KB * 32 * cols) {
+    _tile_zero(4);
+    _tile_zero(5);
+    if (NB == 2) {
+      _tile_zero(6);
+      _tile_zero(7);
+    }
+    for (int64_t kb = 0; kb < KB; kb++) {
+      if (a.ahead_lines && m0 == 0)
+        for (int b = 0; b < NB; b++) prefetch_ahead(a, n0 + 4 * b, kb);
+      _tile_loadd(0, hi + kb * 32 * cols, 4 * cols);
+      _tile_loadd(1, lo + kb * 32 * cols, 4 * cols);
+      _tile_loadd(2, a.row(n0, kb), 32);
+      _tile_dpbssd(4, 2, 0);
+      _tile_dpbsud(5, 2, 1);
+      if (NB == 2) {
+        _tile_loadd(3, a.row(n0 + 4, kb), 32);
+        _tile_dpbssd(6, 3, 0);
+        _tile_dpbsud(7, 3, 1);
+      }
+    }
+    int32_t c[2][2][4][16];
+    _tile_stored(4, c[0][0], 64);
+    _tile_stored(5, c[0][1], 64);
+    if (NB == 2) {
+      _tile_stored(6, c[1][0], 64);
+      _tile_stored(7, c[1][1], 64);
+    }
+    const int mp = (int)std::min<int64_t>(cols, a.M - m0);
+    for (int b = 0; b < NB; b++)
+      for (int m = 0; m < mp; m++) {
+        float v[4];
+        for (int j = 0; j < 4; j++) v[j] = (float)((int64_t)c[b][0][j][m] * 256 + c[b][1][j][m]);
+        finish4(a, m0 + m, n0 + 4 * b, _mm_loadu_ps(v));
+      }
+  }
+}
+
+void run_amx_i8(const Lin& a) {
+  const int64_t blocks = a.N / 4, nb = blocks % 2 == 0 ? 2 : 1;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.K, 1) / nb);
+  const int cols = (int)std::min<int64_t>(16, a.M);
+  std::vector<uint8_t> hi, lo;
+  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
+    Lin p = a;  // rows p0.. of the input and the output
+    p.M = std::min<int64_t>(64, a.M - p0);
+    p.xs = a.xs + p0;
+    p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
+    quad_layout(a.xq + p0 * a.K, p.M, a.K, cols, hi, lo);
+    at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
+      configure_tiles_i8(cols);
+      for (int64_t b = b0; b < b1; b++) {
+        if (nb == 2) amx_i8_blocks<2>(p, hi.data(), lo.data(), cols, 8 * b);
+        else amx_i8_blocks<1>(p, hi.data(), lo.data(), cols, 4 * b);
+      }
+      _tile_release();
+    });
+  }
+}
 #pragma GCC pop_options
 #else
 void run_amx(const Lin&) {}  // never called: amx_usable() is false
+void run_amx_i8(const Lin&) {}
 #endif
 
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
@@ -889,17 +984,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   at::Tensor out = at::empty({M, N}, x.options());
   a.out = out.data_ptr();
   if (M == 0) return out;
+  const bool amx_i8 = level == AMX && wt == W_I8 && K <= 65536;  // int8 on AMX: the integer path, any x dtype
   at::Tensor xb;
-  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32) {  // BF16 dot products
+  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8) {  // BF16 dot products
     xb = x.contiguous();
     if (wt == W_I4) {  // x in the nibbles' order: each 32 columns as evens, then odds
       xb = xb.clone();
       permute_evens_odds((uint16_t*)xb.data_ptr(), M, K, 32);
     }
     a.xb = (const uint16_t*)xb.data_ptr();
-    // bf16 weights, every M, through the tiles (they sum in another order than the vector dot products). int8 and
-    // int4 stay on the vectors: converted to bf16 and stored for the tiles, one row took 2.5x longer (42 -> 104 us,
-    // 1536 x 576), and 5 rows about as long as the vectors take
+    // bf16 weights, every M, through the tiles (they sum in another order than the vector dot products). int4
+    // stays on the vectors: converted to bf16 and stored for the tiles, one row took 2.5x longer (42 -> 104 us,
+    // 1536 x 576), and 5 rows about as long as the vectors take; int8 takes the integer tiles (run_amx_i8)
     if (level == AMX && wt == W_BF16) {
       run_amx(a);
       return out;
@@ -917,7 +1013,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
-  if (level < AVX512 && wt == W_I8) {  // integer dot products (KernelI8), the activations rounded straight from x
+  if ((level < AVX512 || amx_i8) && wt == W_I8) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
     // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
@@ -927,7 +1023,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data());
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data());
     a.xq = xq, a.xs = xs.data();
-    run_linear<KernelI8>(a, KernelI8::MAX_MB);
+    if (amx_i8) run_amx_i8(a);
+    else run_linear<KernelI8>(a, KernelI8::MAX_MB);
     return out;
   }
   std::vector<float> xbuf;
@@ -1432,20 +1529,28 @@ def dequantize(weight: Tensor, scales: Tensor = None, offsets: Tensor = None) ->
 
 
 def round_rows16(x: Tensor) -> Tensor:
-    """x (M, K) as the AVX2 build gives it to int8 weights: each row rounded to 16-bit integers times its scale
-    max |x| / 32767 (a row of zeros stays zeros; one with an inf or a NaN becomes NaN)."""
+    """x (M, K) as the AVX2 and AMX builds give it to int8 weights: each row rounded to 16-bit integers times its
+    scale max |x| / 32767 (a row of zeros stays zeros; one with an inf or a NaN becomes NaN)."""
+    q, scale = rows16(x)
+    return q * scale
+
+
+def rows16(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The 16-bit integers (as fp32) and the (M, 1) scales of round_rows16, computed as the kernel does: x times
+    32767 / max |x| in fp32 (a true division: `32767 / t` is a reciprocal times 32767 in torch, one rounding
+    more), rounded to nearest even."""
     x = x.float()
     amax = x.abs().amax(-1, keepdim=True)
     scale = torch.where(amax.isfinite(), amax / 32767, float("nan"))
-    q = torch.where(amax > 0, torch.round(x * (32767 / amax)).clamp(-32767, 32767), 0.0)
-    return q * scale
+    q = torch.where(amax > 0, torch.round(x * (torch.full_like(amax, 32767.0) / amax)).clamp(-32767, 32767), 0.0)
+    return q, scale
 
 
 def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
                      offsets: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
-    AVX2 build see x rounded to 16 bits a row (round_rows16)."""
-    int16_rows = scales is not None and offsets is None and isa() == "avx2"
+    AVX2 and AMX builds see x rounded to 16 bits a row (round_rows16)."""
+    int16_rows = scales is not None and offsets is None and isa() in ("avx2", "amx")
     y = F.linear(round_rows16(x) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     return (y if bias is None else y + bias.float()).to(x.dtype)
 

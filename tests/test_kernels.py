@@ -79,6 +79,34 @@ def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
                               rtol=1e-7, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
+    """The AMX build multiplies int8 weights by x rounded to 16-bit integers a row, a high and a low byte through the
+    int8 tiles: each output is the exact integer dot product rounded to fp32 once, times the row's and the weight
+    row's scales, whatever M is (one panel of up to 16 rows, several, several 64-row passes), at the largest
+    products, with a row of zeros and rows holding a NaN or an inf."""
+    if kernels.isa() != "amx":
+        pytest.skip("the AMX build's int8 path (a Xeon with AMX tiles)")
+    g = torch.Generator().manual_seed(3)
+    N, K = 24, 1536
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g) / 127
+    x = torch.randn(70, K, generator=g) * torch.logspace(-2, 2, K)
+    x[1] = torch.where(q[0] >= 0, 1.0, -1.0)  # every product of row 1 and weight row 0 at its largest, one sign
+    q[0] = torch.where(q[0] >= 0, 127, -128).to(torch.int8)
+    x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
+    x = x.to(dtype)
+    ints, row_scales = kernels.rows16(x)
+    ref = ((ints.double() @ q.double().T).float() * row_scales * scales).to(dtype)
+    packed = kernels.pack(q)
+    for M in (1, 5, 16, 17, 70):
+        y = kernels.linear(x[:M], packed, None, scales)
+        assert torch.equal(y.isnan(), ref[:M].isnan()), M
+        assert torch.equal(y[~y.isnan()], ref[:M][~y.isnan()]), M
+    assert y[1, 0].float() == pytest.approx(K * 127.5 * scales[0].item(), rel=1e-2)  # none wrapped around
+    assert torch.equal(y[2], torch.zeros(N, dtype=dtype)) and y[3].isnan().all() and y[4].isnan().all()
+
+
 @pytest.mark.parametrize("M", [1, 5])  # one row (block) and three to six (pairs: both passes' lanes summed once)
 def test_bf16_outputs_round_as_torch_does(M):
     """Each fp32 sum to bf16 as torch's own conversion: ties to even, a NaN, infinities, the largest finite values
