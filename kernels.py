@@ -482,16 +482,21 @@ inline void configure_tiles_i8(int cols) {
   load_tile_config(c);
 }
 
-// the byte planes as B tiles: (panels, K/32, 8 quads, cols, 4) bytes each, zeros past row M
+// the byte planes as B tiles: (panels, K/32, 8 quads, cols, 4) bytes each, zeros past row M. 32 values at a time:
+// the scalar loop took ~0.3 ms of a 5-row forward
 void quad_layout(const int16_t* xq, int64_t M, int64_t K, int cols, std::vector<uint8_t>& hi, std::vector<uint8_t>& lo) {
   const int64_t KB = K / 32, panels = (M + cols - 1) / cols;
   hi.assign(panels * KB * 32 * cols, 0), lo.assign(panels * KB * 32 * cols, 0);
   for (int64_t m = 0; m < M; m++) {
     const int64_t base = (m / cols) * KB * 32 * cols + (m % cols) * 4;
-    for (int64_t k = 0; k < K; k++) {
-      const int64_t i = base + (k / 32) * 32 * cols + (k % 32 / 4) * 4 * cols + k % 4;
-      const int16_t v = xq[m * K + k];
-      hi[i] = (uint8_t)(v >> 8), lo[i] = (uint8_t)(v & 255);
+    for (int64_t kb = 0; kb < KB; kb++) {
+      const __m512i v = _mm512_loadu_si512(xq + m * K + 32 * kb);
+      alignas(32) uint32_t h[8], l[8];
+      _mm256_store_si256((__m256i*)h, _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+      _mm256_store_si256((__m256i*)l, _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(255))));
+      uint8_t* ph = hi.data() + base + kb * 32 * cols;
+      uint8_t* pl = lo.data() + base + kb * 32 * cols;
+      for (int q = 0; q < 8; q++) std::memcpy(ph + q * 4 * cols, &h[q], 4), std::memcpy(pl + q * 4 * cols, &l[q], 4);
     }
   }
 }
@@ -541,18 +546,19 @@ void run_amx_i8(const Lin& a) {
   const int64_t blocks = a.N / 4, nb = blocks % 2 == 0 ? 2 : 1;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.K, 1) / nb);
   const int cols = (int)std::min<int64_t>(16, a.M);
-  std::vector<uint8_t> hi, lo;
+  static thread_local std::vector<uint8_t> hi, lo;
   for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
     Lin p = a;  // rows p0.. of the input and the output
     p.M = std::min<int64_t>(64, a.M - p0);
     p.xs = a.xs + p0;
     p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
     quad_layout(a.xq + p0 * a.K, p.M, a.K, cols, hi, lo);
+    const uint8_t *h = hi.data(), *l = lo.data();  // this thread's buffers (a worker's hi would be its own)
     at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles_i8(cols);
       for (int64_t b = b0; b < b1; b++) {
-        if (nb == 2) amx_i8_blocks<2>(p, hi.data(), lo.data(), cols, 8 * b);
-        else amx_i8_blocks<1>(p, hi.data(), lo.data(), cols, 4 * b);
+        if (nb == 2) amx_i8_blocks<2>(p, h, l, cols, 8 * b);
+        else amx_i8_blocks<1>(p, h, l, cols, 4 * b);
       }
       _tile_release();
     });

@@ -88,7 +88,7 @@ def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
     if kernels.isa() != "amx":
         pytest.skip("the AMX build's int8 path (a Xeon with AMX tiles)")
     g = torch.Generator().manual_seed(3)
-    N, K = 24, 1536
+    N, K = 256, 1536  # enough weight blocks for both threads
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
     scales = torch.rand(N, generator=g) / 127
     x = torch.randn(70, K, generator=g) * torch.logspace(-2, 2, K)
