@@ -532,13 +532,19 @@ inline void amx_i8_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, in
       _tile_stored(6, c[1][0], 64);
       _tile_stored(7, c[1][1], 64);
     }
+    // 256 hi + lo in double (exact below 2^53), rounded to fp32 once: 8 outputs an instruction
+    alignas(64) float t[2][4][16];
+    for (int b = 0; b < NB; b++)
+      for (int j = 0; j < 4; j++)
+        for (int h = 0; h < 2; h++) {
+          const __m512d hi = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][0][j] + 8 * h)));
+          const __m512d lo = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][1][j] + 8 * h)));
+          _mm256_store_ps(t[b][j] + 8 * h, _mm512_cvtpd_ps(_mm512_add_pd(_mm512_mul_pd(hi, _mm512_set1_pd(256.0)), lo)));
+        }
     const int mp = (int)std::min<int64_t>(cols, a.M - m0);
     for (int b = 0; b < NB; b++)
-      for (int m = 0; m < mp; m++) {
-        float v[4];
-        for (int j = 0; j < 4; j++) v[j] = (float)((int64_t)c[b][0][j][m] * 256 + c[b][1][j][m]);
-        finish4(a, m0 + m, n0 + 4 * b, _mm_loadu_ps(v));
-      }
+      for (int m = 0; m < mp; m++)
+        finish4(a, m0 + m, n0 + 4 * b, _mm_setr_ps(t[b][0][m], t[b][1][m], t[b][2][m], t[b][3][m]));
   }
 }
 
