@@ -33,7 +33,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Draft trees sized for 2-core CPUs (docs/performance.md). Once a plain decode step reads weights near memory speed,
 # a tree pays off only while verifying it costs about one step: the 8-node tree where 9 tokens cost ~1.2 steps (bf16
 # on AMX matmul units; any weights on a GPU), the 4-node one where they cost ~2 (CPUs: AVX2, AVX-512 without AMX,
-# int8/int4 weights, whose unpacking is compute-bound). default_tree() picks; the flags override it.
+# int4 weights, whose unpacking is compute-bound). int8 on AMX (the int8 tiles: 9 tokens ~1.27 steps) keeps the
+# 4-node tree: on MT-bench the 8-node one decoded as fast (162.2 against 161.2 tokens/s, docs/performance.md).
+# default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
@@ -490,8 +492,8 @@ def build_parser():
     p.add_argument("--quant", default="auto",
                    help="a quantized variant written by quantize.py: int8, int4.g32 (g64, g128, g256), with .head8 "
                         "when the LM head is int8 too; none: the float weights; auto (with --dtype auto): int8.head8 "
-                        "on CPUs whose kernels.py build is AVX2 only, written beside the checkpoint on first use, the "
-                        "float weights elsewhere")
+                        "on CPUs whose kernels.py build is AVX2 only or has AMX tiles, written beside the checkpoint on "
+                        "first use, the float weights elsewhere")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step and the EAGLE cycle (static shapes, fullgraph; CUDA graphs on CUDA). "
@@ -643,9 +645,10 @@ def fastest_dtype(device) -> str:
 def fastest_quant(device) -> str | None:
     """--quant auto: int8 weights, LM head included, where kernels.py's build is AVX2 only (no bf16 arithmetic
     there, so bf16 weights buy nothing but bytes; on a Zen 3, MT-bench, plain int8 decoded 92.9 tokens/s against
-    67.3 in bf16, and the int8 LM head reads 17% fewer bytes again, perplexity unchanged; docs/performance.md), the
-    float weights elsewhere."""
-    return "int8.head8" if torch.device(device).type == "cpu" and kernels.isa() == "avx2" else None
+    67.3 in bf16, and the int8 LM head reads 17% fewer bytes again, perplexity unchanged; docs/performance.md) or
+    has AMX tiles (int8 through the int8 tiles: on a Xeon, MT-bench, plain 101.4 against 68.9 tokens/s in bf16,
+    EAGLE 161.2 against 127.2), the float weights elsewhere."""
+    return "int8.head8" if torch.device(device).type == "cpu" and kernels.isa() in ("avx2", "amx") else None
 
 
 def make_quantized_on_first_use(checkpoint, name, write=True):

@@ -267,7 +267,7 @@ def test_defaults_pick_the_fastest_exact_configuration():
 
 @pytest.mark.parametrize("isa, argv, dtype, quant", [
     ("avx2", [], "bfloat16", "int8.head8"),  # no bf16 arithmetic: int8 weights (LM head too) decode fastest
-    ("avx512_bf16", [], "bfloat16", None), ("amx", [], "bfloat16", None),
+    ("avx512_bf16", [], "bfloat16", None), ("amx", [], "bfloat16", "int8.head8"),  # AMX: int8 through the int8 tiles
     ("avx2", ["--dtype", "float32"], "float32", None),  # a dtype asked for: its float weights
     ("avx2", ["--quant", "none"], "bfloat16", None), ("avx512_bf16", ["--quant", "int4.g32"], "bfloat16", "int4.g32"),
 ])
