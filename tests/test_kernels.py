@@ -81,10 +81,10 @@ def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
-    """The AMX build multiplies int8 weights by x rounded to 16-bit integers a row, a high and a low byte through the
-    int8 tiles: each output is the exact integer dot product rounded to fp32 once, times the row's and the weight
-    row's scales, whatever M is (one panel of up to 16 rows, several, several 64-row passes), at the largest
-    products, with a row of zeros and rows holding a NaN or an inf."""
+    """The AMX build multiplies int8 weights by x rounded to 16-bit integers a row (1-4 rows by vector integer dot
+    products, more by the int8 tiles, a high and a low byte): each output is the exact integer dot product rounded to
+    fp32 once, times the row's and the weight row's scales, whatever M is (either path, one panel of up to 16 rows,
+    several, several 64-row passes), at the largest products, with a row of zeros and rows holding a NaN or an inf."""
     if kernels.isa() != "amx":
         pytest.skip("the AMX build's int8 path (a Xeon with AMX tiles)")
     g = torch.Generator().manual_seed(3)
@@ -99,7 +99,7 @@ def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
     ints, row_scales = kernels.rows16(x)
     ref = ((ints.double() @ q.double().T).float() * row_scales * scales).to(dtype)
     packed = kernels.pack(q)
-    for M in (1, 5, 16, 17, 70):
+    for M in (1, 2, 3, 4, 5, 16, 17, 70):
         y = kernels.linear(x[:M], packed, None, scales)
         assert torch.equal(y.isnan(), ref[:M].isnan()), M
         assert torch.equal(y[~y.isnan()], ref[:M][~y.isnan()]), M
