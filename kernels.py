@@ -45,8 +45,8 @@ from torch import Tensor
 MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify steps); prefill goes to SDPA
 # What the ops return (shapes, strides, dtypes): compiled graphs check it, so generate.py's compile cache is kept per
 # version, and a change to an op's output must bump it (a graph cached before the attention's output became
-# (B, T, H, D)-strided failed its stride assertion)
-OPS_VERSION = 2
+# (B, T, H, D)-strided failed its stride assertion; 3: the linear of tall int8 blocks, N = 16 x blocks)
+OPS_VERSION = 3
 
 CPP = r"""
 #include <torch/library.h>
@@ -124,12 +124,13 @@ struct Lin {
   bool out_bf16;
   int64_t n_base = 0;      // the first row of the weights at w (a dequantized block's buffer starts at its block)
   int64_t ahead_lines = 0; // cache lines of the weight stream one 32-column step reads, prefetched ahead (0: none)
+  int rshift = 2;          // log2 of a block's rows: 4, or 16 for int8 on AMX (pack's tall blocks, one A tile)
   const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
     n -= n_base;
     if (offsets) {  // int4: blocks of 64 columns, 16 bytes for each 32
       return w + (((n >> 2) * (K >> 6) + (kb >> 1)) * 4 + (n & 3)) * block_bytes + (kb & 1) * 16;
     }
-    return w + (((n >> 2) * (K >> 5) + kb) * 4 + (n & 3)) * block_bytes;
+    return w + ((((n >> rshift) * (K >> 5) + kb) << rshift) + (n & ((1 << rshift) - 1))) * block_bytes;
   }
 };
 
@@ -469,11 +470,14 @@ void run_amx(const Lin& a) {
 
 // int8 weights through the tiles (AMX-INT8). The activations are rounded to 16-bit integers a row, as on AVX2
 // (quantize_rows16), and split into a signed high and an unsigned low byte, x = 256 hi + lo; the weight block
-// (4 rows x 32 int8, as packed) is A, each byte plane B (8 quads of columns x up to 16 rows), and the tiles sum
-// hi . w and lo . w in int32 (TDPBSSD, TDPBSUD; at most 128 x 128 and 255 x 128 a product: no overflow below 65536
-// columns). Integer sums are exact: each output is the exact dot product, 256 hi + lo, rounded to fp32 once,
-// whatever M is and in whatever order the tiles add. No weight is converted, so one row costs what the vector
-// path does and 16 rows about the same (the vector path, converting each weight to bf16: 1.8x at 5 rows).
+// (16 rows x 32 int8 where pack made tall blocks, else 4 rows, as packed) is A, each byte plane B (8 quads of
+// columns x up to 16 rows), and the tiles sum hi . w and lo . w in int32 (TDPBSSD, TDPBSUD; at most 128 x 128 and
+// 255 x 128 a product: no overflow below 65536 columns). Integer sums are exact: each output is the exact dot
+// product, 256 hi + lo, rounded to fp32 once, whatever M is, in whatever order the tiles add, and whichever path
+// (tiles or vectors, run_i8_rows) computes it. No weight is converted, and 3 rows cost about what 16 do: a
+// forward's linears at 5 rows 1.07x one row by the tiles (the vector path, converting each weight to bf16: 1.5x).
+// A tile product costs ~2.5 ns at 4 rows of A and ~4.3 ns at 16 (Emerald Rapids), so 4-row blocks made the tiles
+// the bound: a one-thread pass over the int8 LM head, 2.05 ms with 4-row A tiles, 1.35 ms with 16-row ones.
 inline void configure_tiles_i8(int cols) {
   TileConfig c;
   for (int t = 0; t <= 1; t++) c.rows[t] = 8, c.colsb[t] = 4 * cols;   // B: the hi and lo bytes
@@ -550,8 +554,8 @@ inline void amx_i8_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, in
 
 // A few rows of int8 weights on an AMX machine: the same exact integer dot products by vector instructions (int8
 // sign-extended to int16 once for all rows, vpdpwssd: 16 lanes of pair sums, widened to int64 every 4096
-// columns, then summed), so the outputs are the tiles' bit for bit. The tiles do 2 products a 128-byte block at
-// any M, which a few rows pay for in full. MB rows against 8 weight rows (one row) or 4 (2-5 rows) at a time
+// columns, then summed), so the outputs are the tiles' bit for bit. The tiles do 2 products a block at any M,
+// which one or two rows pay for in full. MB rows against 8 or 16 weight rows (one row) or 4 (more) at a time
 template <int MB, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 inline void i8_rows_block(const Lin& a, int64_t m0, int64_t n0) {
@@ -564,8 +568,11 @@ inline void i8_rows_block(const Lin& a, int64_t m0, int64_t n0) {
     for (int i = 0; i < MB; i++)
       for (int j = 0; j < 4 * NB; j++) acc[i][j] = _mm512_setzero_si512();
     for (int64_t kb = c0; kb < std::min(KB, c0 + CHUNK); kb++) {
-      if (a.ahead_lines && m0 == 0)
-        for (int h = 0; h < NB; h++) prefetch_ahead(a, n0 + 4 * h, kb);
+      if (a.ahead_lines && m0 == 0)  // the 4 rows' 128 bytes, 16 KB on (either block height)
+        for (int h = 0; h < NB; h++) {
+          const char* p = a.row(n0 + 4 * h, kb) + PREFETCH_AHEAD;
+          _mm_prefetch(p, _MM_HINT_T1), _mm_prefetch(p + 64, _MM_HINT_T1);
+        }
       __m512i x[MB];
       for (int i = 0; i < MB; i++) x[i] = _mm512_loadu_si512(a.xq + (m0 + i) * a.K + 32 * kb);
       for (int h = 0; h < NB; h++) {
@@ -592,6 +599,23 @@ inline void i8_rows_block(const Lin& a, int64_t m0, int64_t n0) {
 }
 
 void run_i8_rows(const Lin& a) {
+  if (a.rshift == 4) {  // tall blocks: one row against all 16 rows of a block, more rows against 4 at a time
+    at::parallel_for(0, a.N / 16, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; g++) {
+        if (a.M == 1) {
+          i8_rows_block<1, 4>(a, 0, 16 * g);
+          continue;
+        }
+        for (int h = 0; h < 4; h++) {
+          const int64_t n0 = 16 * g + 4 * h;
+          if (a.M == 2) i8_rows_block<2, 1>(a, 0, n0);
+          else if (a.M == 3) i8_rows_block<3, 1>(a, 0, n0);
+          else i8_rows_block<4, 1>(a, 0, n0);
+        }
+      }
+    });
+    return;
+  }
   const int64_t blocks = a.N / 4, nb = a.M == 1 && blocks % 2 == 0 ? 2 : 1;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.K, 1) / nb);
   at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
@@ -613,9 +637,70 @@ void run_i8_rows(const Lin& a) {
   });
 }
 
+// tall blocks (16 weight rows x 32 int8 columns, one A tile): a quarter of the tile products of 4-row blocks
+inline void configure_tiles_i8_tall(int cols) {
+  TileConfig c;
+  for (int t = 0; t <= 1; t++) c.rows[t] = 8, c.colsb[t] = 4 * cols;   // B: the hi and lo bytes
+  for (int t = 2; t <= 3; t++) c.rows[t] = 16, c.colsb[t] = 32;        // A: two tall weight blocks
+  for (int t = 4; t <= 7; t++) c.rows[t] = 16, c.colsb[t] = 4 * cols;  // C: hi and lo sums of each block
+  load_tile_config(c);
+}
+
+template <int NB>
+inline void amx_i8_tall_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, int cols, int64_t n0) {
+  const int64_t KB = a.K / 32;
+  for (int64_t m0 = 0; m0 < a.M; m0 += cols, hi += KB * 32 * cols, lo += KB * 32 * cols) {
+    _tile_zero(4);
+    _tile_zero(5);
+    if (NB == 2) {
+      _tile_zero(6);
+      _tile_zero(7);
+    }
+    for (int64_t kb = 0; kb < KB; kb++) {
+      if (a.ahead_lines && m0 == 0)
+        for (int b = 0; b < NB; b++) {
+          const char* p = a.row(n0 + 16 * b, kb) + PREFETCH_AHEAD;
+          for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+        }
+      _tile_loadd(0, hi + kb * 32 * cols, 4 * cols);
+      _tile_loadd(1, lo + kb * 32 * cols, 4 * cols);
+      _tile_loadd(2, a.row(n0, kb), 32);
+      _tile_dpbssd(4, 2, 0);
+      _tile_dpbsud(5, 2, 1);
+      if (NB == 2) {
+        _tile_loadd(3, a.row(n0 + 16, kb), 32);
+        _tile_dpbssd(6, 3, 0);
+        _tile_dpbsud(7, 3, 1);
+      }
+    }
+    int32_t c[2][2][16][16];
+    _tile_stored(4, c[0][0], 64);
+    _tile_stored(5, c[0][1], 64);
+    if (NB == 2) {
+      _tile_stored(6, c[1][0], 64);
+      _tile_stored(7, c[1][1], 64);
+    }
+    alignas(64) float t[2][16][16];  // 256 hi + lo in double (exact), rounded to fp32 once
+    for (int b = 0; b < NB; b++)
+      for (int j = 0; j < 16; j++)
+        for (int h = 0; h < 2; h++) {
+          const __m512d vh = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][0][j] + 8 * h)));
+          const __m512d vl = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][1][j] + 8 * h)));
+          _mm256_store_ps(t[b][j] + 8 * h, _mm512_cvtpd_ps(_mm512_add_pd(_mm512_mul_pd(vh, _mm512_set1_pd(256.0)), vl)));
+        }
+    const int mp = (int)std::min<int64_t>(cols, a.M - m0);
+    for (int b = 0; b < NB; b++)
+      for (int m = 0; m < mp; m++)
+        for (int g = 0; g < 4; g++)
+          finish4(a, m0 + m, n0 + 16 * b + 4 * g,
+                  _mm_setr_ps(t[b][4 * g][m], t[b][4 * g + 1][m], t[b][4 * g + 2][m], t[b][4 * g + 3][m]));
+  }
+}
+
 void run_amx_i8(const Lin& a) {
-  if (a.M <= 4) return run_i8_rows(a);  // the linears of a forward, 2 threads: 1-4 rows 5.2 / 5.9 / 6.4 / 7.1 ms
-                                         // against 7.5-7.9 by the tiles; 5 rows 8.2-8.5 against 7.8-8.0
+  // the linears of a forward (tall blocks, 2 threads): 1-4 rows by the vectors 5.2-5.7 / 5.4-5.9 / 6.1-6.5 /
+  // 6.9-7.3 ms, by the tiles 6.0 / 6.1 / 6.2 / 6.3 (5 rows 6.4, 9 rows 7.0)
+  if (a.M <= 2) return run_i8_rows(a);
   const int64_t blocks = a.N / 4, nb = blocks % 2 == 0 ? 2 : 1;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.K, 1) / nb);
   const int cols = (int)std::min<int64_t>(16, a.M);
@@ -627,6 +712,18 @@ void run_amx_i8(const Lin& a) {
     p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
     quad_layout(a.xq + p0 * a.K, p.M, a.K, cols, hi, lo);
     const uint8_t *h = hi.data(), *l = lo.data();  // this thread's buffers (a worker's hi would be its own)
+    if (a.rshift == 4) {
+      const int64_t groups = a.N / 16, ng = groups % 2 == 0 ? 2 : 1;
+      at::parallel_for(0, groups / ng, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1) / ng), [&](int64_t g0, int64_t g1) {
+        configure_tiles_i8_tall(cols);
+        for (int64_t g = g0; g < g1; g++) {
+          if (ng == 2) amx_i8_tall_blocks<2>(p, h, l, cols, 32 * g);
+          else amx_i8_tall_blocks<1>(p, h, l, cols, 16 * g);
+        }
+        _tile_release();
+      });
+      continue;
+    }
     at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles_i8(cols);
       for (int64_t b = b0; b < b1; b++) {
@@ -1013,7 +1110,7 @@ void permute_evens_odds(E* x, int64_t M, int64_t K, int V) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == 4, "eagle_fast::linear: x (M, K) and a packed weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && (w.size(2) == 4 || w.size(2) == 16), "eagle_fast::linear: x (M, K) and a packed weight");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: x must be fp32 or bf16");
   TORCH_CHECK(w.is_contiguous(), "eagle_fast::linear: the packed weight must be contiguous");
   int wt;
@@ -1024,7 +1121,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     case at::kByte: wt = W_I4; break;
     default: TORCH_CHECK(false, "eagle_fast::linear: unsupported weight dtype");
   }
-  const int64_t M = x.size(0), K = x.size(1), N = 4 * w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(2) * w.size(0);
   TORCH_CHECK(K == (wt == W_I4 ? 64 : 32) * w.size(1) && w.size(3) == 32, "eagle_fast::linear: weight does not match x");
   TORCH_CHECK((wt == W_I8 || wt == W_I4) == scales.has_value() && (wt == W_I4) == offsets.has_value(),
               "eagle_fast::linear: int8 weights need scales, int4 weights scales and offsets");
@@ -1032,8 +1129,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
+  TORCH_CHECK(w.size(2) == 4 || (wt == W_I8 && level == AMX && K <= 65536),
+              "eagle_fast::linear: tall blocks (16 rows) are for int8 weights on AMX CPUs (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
+  a.rshift = w.size(2) == 16 ? 4 : 2;
   at::Tensor sc, of, bs;
   if (scales) {
     TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32");
@@ -1474,7 +1574,7 @@ def load() -> bool:
 
     @torch.library.register_fake("eagle_fast::linear")
     def _(x, w, scales, offsets, bias):
-        return x.new_empty(x.shape[0], 4 * w.shape[0])
+        return x.new_empty(x.shape[0], w.shape[2] * w.shape[0])  # blocks of 4 rows, or 16 (block_rows)
 
     @torch.library.register_fake("eagle_fast::attention")
     def _(q, k, v, mask):  # (B, H, T, D) laid out as (B, T, H, D), like the kernel's output
@@ -1501,12 +1601,12 @@ def can_pack(weight: Tensor) -> bool:
 
 
 def pack(weight: Tensor) -> Tensor:
-    """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
-    (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block). The same numbers, re-laid so that the kernel reads each
+    """(N, K) -> (N/R, K/32, R, 32): blocks of R = 4 rows (16 for int8 on AMX: block_rows) x 32 columns, a block's
+    rows one after another (int4 nibbles (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block). The same numbers, re-laid so that the kernel reads each
     block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
     N, width = weight.shape
-    C = 32
-    blocks = weight.detach().reshape(N // 4, 4, width // C, C).transpose(1, 2)
+    C, R = 32, block_rows(weight)
+    blocks = weight.detach().reshape(N // R, R, width // C, C).transpose(1, 2)
     packed = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
     on_huge_pages(packed)
     return packed.copy_(blocks)
@@ -1535,15 +1635,24 @@ def on_huge_pages(t: Tensor) -> bool:
         return False
 
 
+def block_rows(weight: Tensor) -> int:
+    """Rows of pack()'s blocks: 16 for int8 weights where the AMX build runs (a block is one int8 tile, 16 rows x
+    32 columns: the tiles then do a quarter of the products a 4-row block needs), else 4."""
+    N, K = weight.shape
+    tall = weight.dtype == torch.int8 and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536
+    return 16 if tall and load() and isa() == "amx" else 4
+
+
 def unpack(packed: Tensor) -> Tensor:
     """The inverse of pack()."""
-    B, KB, _, C = packed.shape
-    return packed.transpose(1, 2).reshape(4 * B, KB * C)
+    B, KB, R, C = packed.shape
+    return packed.transpose(1, 2).reshape(R * B, KB * C)
 
 
 def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
     """Rows idx of a packed weight, (*idx.shape, K): an embedding lookup in a tied, packed table."""
-    return packed[idx // 4, :, idx % 4].flatten(-2)
+    R = packed.shape[2]
+    return packed[idx // R, :, idx % R].flatten(-2)
 
 
 # ---------------------------------------------------------------- what the model calls

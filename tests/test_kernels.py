@@ -107,6 +107,28 @@ def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
     assert torch.equal(y[2], torch.zeros(N, dtype=dtype)) and y[3].isnan().all() and y[4].isnan().all()
 
 
+def test_int8_tall_blocks_on_amx():
+    """On AMX, pack() lays int8 weights out in blocks of 16 rows (one A tile; block_rows), which unpack() and
+    packed_rows() read back; a weight of N % 16 != 0 keeps 4-row blocks; both layouts give the same outputs bit for
+    bit at every M (either way the exact integer sums), and tall blocks of another dtype are one clear error."""
+    if kernels.isa() != "amx":
+        pytest.skip("tall int8 blocks are the AMX build's")
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-128, 128, (48, 320), generator=g, dtype=torch.int8)
+    scales = torch.rand(48, generator=g) / 127
+    tall = kernels.pack(q)
+    assert tall.shape == (3, 10, 16, 32) and torch.equal(kernels.unpack(tall), q)
+    idx = torch.tensor([[0, 15, 16], [47, 33, 2]])
+    assert torch.equal(kernels.packed_rows(tall, idx), q[idx])
+    assert kernels.pack(q[:44]).shape == (11, 10, 4, 32)
+    short = q.reshape(12, 4, 10, 32).transpose(1, 2).contiguous()  # the 4-row layout of the same weight
+    x = torch.randn(17, 320, generator=g).bfloat16()
+    for M in (1, 2, 3, 5, 16, 17):
+        assert torch.equal(kernels.linear(x[:M], tall, None, scales), kernels.linear(x[:M], short, None, scales)), M
+    with pytest.raises(RuntimeError, match="tall blocks"):
+        kernels.linear(x, torch.zeros(3, 10, 16, 32, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("M", [1, 5])  # one row (block) and three to six (pairs: both passes' lanes summed once)
 def test_bf16_outputs_round_as_torch_does(M):
     """Each fp32 sum to bf16 as torch's own conversion: ties to even, a NaN, infinities, the largest finite values
