@@ -280,7 +280,7 @@ def test_default_weights_follow_the_cpu(monkeypatch, isa, argv, dtype, quant):
 
 
 @pytest.mark.parametrize("isa, given, kind", [
-    ("avx2", "auto", "int8"), ("avx512_bf16", "auto", "float"), ("avx2", "none", "float"),
+    ("avx2", "auto", "int8"), ("amx", "auto", "int8"), ("avx512_bf16", "auto", "float"), ("avx2", "none", "float"),
     ("avx512_bf16", "int8", "int8"), ("avx2", "int4.g32", "int4")])
 def test_default_head_weights_follow_the_cpu(tmp_path, monkeypatch, isa, given, kind):
     """--draft_quant auto: an int8 head where kernels.py's build is AVX2 only, quantized at load (nothing written
