@@ -478,11 +478,11 @@ void run_amx(const Lin& a) {
 // forward's linears at 5 rows 1.07x one row by the tiles (the vector path, converting each weight to bf16: 1.5x).
 // A tile product costs ~2.5 ns at 4 rows of A and ~4.3 ns at 16 (Emerald Rapids), so 4-row blocks made the tiles
 // the bound: a one-thread pass over the int8 LM head, 2.05 ms with 4-row A tiles, 1.35 ms with 16-row ones.
-inline void configure_tiles_i8(int cols) {
+inline void configure_tiles_i8(int R, int cols) {  // R: the weight block's rows, 4 or 16
   TileConfig c;
   for (int t = 0; t <= 1; t++) c.rows[t] = 8, c.colsb[t] = 4 * cols;   // B: the hi and lo bytes
-  for (int t = 2; t <= 3; t++) c.rows[t] = 4, c.colsb[t] = 32;         // A: two weight blocks
-  for (int t = 4; t <= 7; t++) c.rows[t] = 4, c.colsb[t] = 4 * cols;   // C: hi and lo sums of each block
+  for (int t = 2; t <= 3; t++) c.rows[t] = R, c.colsb[t] = 32;         // A: two weight blocks
+  for (int t = 4; t <= 7; t++) c.rows[t] = R, c.colsb[t] = 4 * cols;   // C: hi and lo sums of each block
   load_tile_config(c);
 }
 
@@ -505,52 +505,6 @@ void quad_layout(const int16_t* xq, int64_t M, int64_t K, int cols, std::vector<
   }
 }
 
-template <int NB>
-inline void amx_i8_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, int cols, int64_t n0) {
-  const int64_t KB = a.K / 32;
-  for (int64_t m0 = 0; m0 < a.M; m0 += cols, hi += KB * 32 * cols, lo += KB * 32 * cols) {
-    _tile_zero(4);
-    _tile_zero(5);
-    if (NB == 2) {
-      _tile_zero(6);
-      _tile_zero(7);
-    }
-    for (int64_t kb = 0; kb < KB; kb++) {
-      if (a.ahead_lines && m0 == 0)
-        for (int b = 0; b < NB; b++) prefetch_ahead(a, n0 + 4 * b, kb);
-      _tile_loadd(0, hi + kb * 32 * cols, 4 * cols);
-      _tile_loadd(1, lo + kb * 32 * cols, 4 * cols);
-      _tile_loadd(2, a.row(n0, kb), 32);
-      _tile_dpbssd(4, 2, 0);
-      _tile_dpbsud(5, 2, 1);
-      if (NB == 2) {
-        _tile_loadd(3, a.row(n0 + 4, kb), 32);
-        _tile_dpbssd(6, 3, 0);
-        _tile_dpbsud(7, 3, 1);
-      }
-    }
-    int32_t c[2][2][4][16];
-    _tile_stored(4, c[0][0], 64);
-    _tile_stored(5, c[0][1], 64);
-    if (NB == 2) {
-      _tile_stored(6, c[1][0], 64);
-      _tile_stored(7, c[1][1], 64);
-    }
-    // 256 hi + lo in double (exact below 2^53), rounded to fp32 once: 8 outputs an instruction
-    alignas(64) float t[2][4][16];
-    for (int b = 0; b < NB; b++)
-      for (int j = 0; j < 4; j++)
-        for (int h = 0; h < 2; h++) {
-          const __m512d hi = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][0][j] + 8 * h)));
-          const __m512d lo = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][1][j] + 8 * h)));
-          _mm256_store_ps(t[b][j] + 8 * h, _mm512_cvtpd_ps(_mm512_add_pd(_mm512_mul_pd(hi, _mm512_set1_pd(256.0)), lo)));
-        }
-    const int mp = (int)std::min<int64_t>(cols, a.M - m0);
-    for (int b = 0; b < NB; b++)
-      for (int m = 0; m < mp; m++)
-        finish4(a, m0 + m, n0 + 4 * b, _mm_setr_ps(t[b][0][m], t[b][1][m], t[b][2][m], t[b][3][m]));
-  }
-}
 
 // A few rows of int8 weights on an AMX machine: the same exact integer dot products by vector instructions (int8
 // sign-extended to int16 once for all rows, vpdpwssd: 16 lanes of pair sums, widened to int64 every 4096
@@ -637,17 +591,9 @@ void run_i8_rows(const Lin& a) {
   });
 }
 
-// tall blocks (16 weight rows x 32 int8 columns, one A tile): a quarter of the tile products of 4-row blocks
-inline void configure_tiles_i8_tall(int cols) {
-  TileConfig c;
-  for (int t = 0; t <= 1; t++) c.rows[t] = 8, c.colsb[t] = 4 * cols;   // B: the hi and lo bytes
-  for (int t = 2; t <= 3; t++) c.rows[t] = 16, c.colsb[t] = 32;        // A: two tall weight blocks
-  for (int t = 4; t <= 7; t++) c.rows[t] = 16, c.colsb[t] = 4 * cols;  // C: hi and lo sums of each block
-  load_tile_config(c);
-}
-
-template <int NB>
-inline void amx_i8_tall_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, int cols, int64_t n0) {
+// NB blocks of R weight rows (4, or 16: pack's tall blocks) x every activation row, a panel of cols at a time
+template <int R, int NB>
+inline void amx_i8_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, int cols, int64_t n0) {
   const int64_t KB = a.K / 32;
   for (int64_t m0 = 0; m0 < a.M; m0 += cols, hi += KB * 32 * cols, lo += KB * 32 * cols) {
     _tile_zero(4);
@@ -658,9 +604,9 @@ inline void amx_i8_tall_blocks(const Lin& a, const uint8_t* hi, const uint8_t* l
     }
     for (int64_t kb = 0; kb < KB; kb++) {
       if (a.ahead_lines && m0 == 0)
-        for (int b = 0; b < NB; b++) {
-          const char* p = a.row(n0 + 16 * b, kb) + PREFETCH_AHEAD;
-          for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+        for (int b = 0; b < NB; b++) {  // the block's R / 2 lines, 16 KB on
+          const char* p = a.row(n0 + R * b, kb) + PREFETCH_AHEAD;
+          for (int l = 0; l < R / 2; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
         }
       _tile_loadd(0, hi + kb * 32 * cols, 4 * cols);
       _tile_loadd(1, lo + kb * 32 * cols, 4 * cols);
@@ -668,21 +614,21 @@ inline void amx_i8_tall_blocks(const Lin& a, const uint8_t* hi, const uint8_t* l
       _tile_dpbssd(4, 2, 0);
       _tile_dpbsud(5, 2, 1);
       if (NB == 2) {
-        _tile_loadd(3, a.row(n0 + 16, kb), 32);
+        _tile_loadd(3, a.row(n0 + R, kb), 32);
         _tile_dpbssd(6, 3, 0);
         _tile_dpbsud(7, 3, 1);
       }
     }
-    int32_t c[2][2][16][16];
+    int32_t c[2][2][R][16];
     _tile_stored(4, c[0][0], 64);
     _tile_stored(5, c[0][1], 64);
     if (NB == 2) {
       _tile_stored(6, c[1][0], 64);
       _tile_stored(7, c[1][1], 64);
     }
-    alignas(64) float t[2][16][16];  // 256 hi + lo in double (exact), rounded to fp32 once
+    alignas(64) float t[2][R][16];  // 256 hi + lo in double (exact below 2^53), rounded to fp32 once
     for (int b = 0; b < NB; b++)
-      for (int j = 0; j < 16; j++)
+      for (int j = 0; j < R; j++)
         for (int h = 0; h < 2; h++) {
           const __m512d vh = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][0][j] + 8 * h)));
           const __m512d vl = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][1][j] + 8 * h)));
@@ -691,8 +637,8 @@ inline void amx_i8_tall_blocks(const Lin& a, const uint8_t* hi, const uint8_t* l
     const int mp = (int)std::min<int64_t>(cols, a.M - m0);
     for (int b = 0; b < NB; b++)
       for (int m = 0; m < mp; m++)
-        for (int g = 0; g < 4; g++)
-          finish4(a, m0 + m, n0 + 16 * b + 4 * g,
+        for (int g = 0; g < R / 4; g++)
+          finish4(a, m0 + m, n0 + R * b + 4 * g,
                   _mm_setr_ps(t[b][4 * g][m], t[b][4 * g + 1][m], t[b][4 * g + 2][m], t[b][4 * g + 3][m]));
   }
 }
@@ -701,8 +647,9 @@ void run_amx_i8(const Lin& a) {
   // the linears of a forward (tall blocks, 2 threads): 1-4 rows by the vectors 5.2-5.7 / 5.4-5.9 / 6.1-6.5 /
   // 6.9-7.3 ms, by the tiles 6.0 / 6.1 / 6.2 / 6.3 (5 rows 6.4, 9 rows 7.0)
   if (a.M <= 2) return run_i8_rows(a);
-  const int64_t blocks = a.N / 4, nb = blocks % 2 == 0 ? 2 : 1;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.K, 1) / nb);
+  const int R = 1 << a.rshift;
+  const int64_t blocks = a.N / R, nb = blocks % 2 == 0 ? 2 : 1;
+  const int64_t grain = std::max<int64_t>(1, 65536 / R / std::max<int64_t>(a.K, 1) / nb);
   const int cols = (int)std::min<int64_t>(16, a.M);
   static thread_local std::vector<uint8_t> hi, lo;
   for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
@@ -712,23 +659,13 @@ void run_amx_i8(const Lin& a) {
     p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
     quad_layout(a.xq + p0 * a.K, p.M, a.K, cols, hi, lo);
     const uint8_t *h = hi.data(), *l = lo.data();  // this thread's buffers (a worker's hi would be its own)
-    if (a.rshift == 4) {
-      const int64_t groups = a.N / 16, ng = groups % 2 == 0 ? 2 : 1;
-      at::parallel_for(0, groups / ng, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1) / ng), [&](int64_t g0, int64_t g1) {
-        configure_tiles_i8_tall(cols);
-        for (int64_t g = g0; g < g1; g++) {
-          if (ng == 2) amx_i8_tall_blocks<2>(p, h, l, cols, 32 * g);
-          else amx_i8_tall_blocks<1>(p, h, l, cols, 16 * g);
-        }
-        _tile_release();
-      });
-      continue;
-    }
     at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
-      configure_tiles_i8(cols);
+      configure_tiles_i8(R, cols);
       for (int64_t b = b0; b < b1; b++) {
-        if (nb == 2) amx_i8_blocks<2>(p, h, l, cols, 8 * b);
-        else amx_i8_blocks<1>(p, h, l, cols, 4 * b);
+        if (R == 16 && nb == 2) amx_i8_blocks<16, 2>(p, h, l, cols, 32 * b);
+        else if (R == 16) amx_i8_blocks<16, 1>(p, h, l, cols, 16 * b);
+        else if (nb == 2) amx_i8_blocks<4, 2>(p, h, l, cols, 8 * b);
+        else amx_i8_blocks<4, 1>(p, h, l, cols, 4 * b);
       }
       _tile_release();
     });
