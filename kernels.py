@@ -505,11 +505,10 @@ void quad_layout(const int16_t* xq, int64_t M, int64_t K, int cols, std::vector<
   }
 }
 
-
-// A few rows of int8 weights on an AMX machine: the same exact integer dot products by vector instructions (int8
+// One or two rows of int8 weights on an AMX machine: the same exact integer dot products by vector instructions (int8
 // sign-extended to int16 once for all rows, vpdpwssd: 16 lanes of pair sums, widened to int64 every 4096
 // columns, then summed), so the outputs are the tiles' bit for bit. The tiles do 2 products a block at any M,
-// which one or two rows pay for in full. MB rows against 8 or 16 weight rows (one row) or 4 (more) at a time
+// which one or two rows pay for in full. One row against 8 or 16 weight rows at a time, two rows against 4
 template <int MB, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 inline void i8_rows_block(const Lin& a, int64_t m0, int64_t n0) {
@@ -552,41 +551,18 @@ inline void i8_rows_block(const Lin& a, int64_t m0, int64_t n0) {
     }
 }
 
-void run_i8_rows(const Lin& a) {
-  if (a.rshift == 4) {  // tall blocks: one row against all 16 rows of a block, more rows against 4 at a time
-    at::parallel_for(0, a.N / 16, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; g++) {
-        if (a.M == 1) {
-          i8_rows_block<1, 4>(a, 0, 16 * g);
-          continue;
-        }
-        for (int h = 0; h < 4; h++) {
-          const int64_t n0 = 16 * g + 4 * h;
-          if (a.M == 2) i8_rows_block<2, 1>(a, 0, n0);
-          else if (a.M == 3) i8_rows_block<3, 1>(a, 0, n0);
-          else i8_rows_block<4, 1>(a, 0, n0);
-        }
-      }
-    });
-    return;
-  }
-  const int64_t blocks = a.N / 4, nb = a.M == 1 && blocks % 2 == 0 ? 2 : 1;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.K, 1) / nb);
+void run_i8_rows(const Lin& a) {  // a.M is 1 or 2
+  const int R = 1 << a.rshift;  // 4, or 16: tall blocks
+  const int64_t blocks = a.N / R, nb = R == 4 && a.M == 1 && blocks % 2 == 0 ? 2 : 1;
+  const int64_t grain = std::max<int64_t>(1, 65536 / R / std::max<int64_t>(a.K, 1) / nb);
   at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
-      const int64_t n0 = 4 * nb * b;
-      if (nb == 2) { i8_rows_block<1, 2>(a, 0, n0); continue; }
-      for (int64_t m0 = 0; m0 < a.M;) {  // rows in groups of at most 5
-        const int64_t left = a.M - m0;
-        switch (left >= 5 ? 5 : left) {
-          case 5: i8_rows_block<5, 1>(a, m0, n0); break;
-          case 4: i8_rows_block<4, 1>(a, m0, n0); break;
-          case 3: i8_rows_block<3, 1>(a, m0, n0); break;
-          case 2: i8_rows_block<2, 1>(a, m0, n0); break;
-          default: i8_rows_block<1, 1>(a, m0, n0); break;
-        }
-        m0 += left >= 5 ? 5 : left;
-      }
+      const int64_t n0 = R * nb * b;
+      if (a.M == 1 && R == 16) i8_rows_block<1, 4>(a, 0, n0);
+      else if (a.M == 1 && nb == 2) i8_rows_block<1, 2>(a, 0, n0);
+      else if (a.M == 1) i8_rows_block<1, 1>(a, 0, n0);
+      else
+        for (int h = 0; h < R; h += 4) i8_rows_block<2, 1>(a, 0, n0 + h);
     }
   });
 }
@@ -1539,8 +1515,9 @@ def can_pack(weight: Tensor) -> bool:
 
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/R, K/32, R, 32): blocks of R = 4 rows (16 for int8 on AMX: block_rows) x 32 columns, a block's
-    rows one after another (int4 nibbles (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block). The same numbers, re-laid so that the kernel reads each
-    block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
+    rows one after another (int4 nibbles (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block). The same numbers,
+    re-laid so that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages
+    (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
     blocks = weight.detach().reshape(N // R, R, width // C, C).transpose(1, 2)

@@ -81,7 +81,7 @@ def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
-    """The AMX build multiplies int8 weights by x rounded to 16-bit integers a row (1-4 rows by vector integer dot
+    """The AMX build multiplies int8 weights by x rounded to 16-bit integers a row (1-2 rows by vector integer dot
     products, more by the int8 tiles, a high and a low byte): each output is the exact integer dot product rounded to
     fp32 once, times the row's and the weight row's scales, whatever M is (either path, one panel of up to 16 rows,
     several, several 64-row passes), at the largest products, with a row of zeros and rows holding a NaN or an inf."""
