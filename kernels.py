@@ -647,10 +647,270 @@ void run_amx_i8(const Lin& a) {
     });
   }
 }
+
+// int4 weights on AMX, the other way round: the activations are A, the weights B. pack lays int4 out for the tiles
+// (16 weight rows x 64 columns in 512 bytes; byte (r, n, j) holds column 4r + j of the first 32 columns in its low
+// nibble and of the next 32 in its high one: two B tiles, a mask or a shift away). The activations are rounded to
+// 16-bit integers a row (quantize_rows16, as for int8) and split into bytes, x = 256 hi + lo, lo' = lo - 128 signed;
+// a panel of c rows is one A tile of 2c + 1 rows: the c high bytes, the c low ones and a row of ones, whose sum
+// q . 1 puts the 128 back (x . q = 256 hi . q + lo' . q + 128 q . 1, each exact in int32: TDPBSUD). One product
+// and one store of its sums a group of 32 columns and 16 weight rows, whatever c is; then each (row, group) adds
+// sum * scale + offset * (the group's sum of x) in fp32, in group order, the same instructions whatever M is.
+// (The high and low bytes as two tiles cost twice the products and the stores, and the stores, ~20 cycles each
+// whatever the rows, were the bound: 30 layers' linears at one row 4.8 ms, 3.7 with one tile.)
+constexpr int I4_ROWS = 7;  // activation rows a panel: 2 x 7 + 1 = 15 tile rows
+
+inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c + 1
+  TileConfig c;
+  for (int t = 0; t <= 1; t++) c.rows[t] = rows, c.colsb[t] = 32;  // A: a panel's bytes, 32 columns (two groups)
+  for (int t = 2; t <= 3; t++) c.rows[t] = 8, c.colsb[t] = 64;     // B: 32 columns of the weight block
+  for (int t = 4; t <= 5; t++) c.rows[t] = rows, c.colsb[t] = 64;  // C: the sums
+  load_tile_config(c);
+}
+
+// rows m of xq as panels of c: (panels, 2c + 1, K) bytes, the high bytes, the low ones less 128, ones; zeros past M
+void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector<int8_t>& out) {
+  const int64_t panels = (M + c - 1) / c;
+  out.assign(panels * (2 * c + 1) * K, 0);
+  for (int64_t m = 0; m < M; m++) {
+    int8_t* hi = out.data() + ((m / c) * (2 * c + 1) + m % c) * K;
+    int8_t* lo = hi + c * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i v = _mm512_loadu_si512(xq + m * K + k);
+      _mm256_storeu_si256((__m256i*)(hi + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+      _mm256_storeu_si256((__m256i*)(lo + k), _mm256_xor_si256(_mm512_cvtepi16_epi8(v), _mm256_set1_epi8(-128)));
+    }
+  }
+  for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * (2 * c + 1) + 2 * c) * K, 1, K);
+}
+
+// one weight block (16 rows from n0) x the C activation rows m0.. of one panel (xb: its 2C + 1 rows of bytes, xsum:
+// its group sums), the sums in registers; rows past M are zeros, computed and thrown away. Two groups at a time,
+// each with its own A, B and C tiles: a group's chain (B's bytes stored, loaded, multiplied, the sums stored and
+// read) is long, and tiles are not renamed, so one set of tiles ran the groups one after another
+template <int C>
+inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int64_t m0, int64_t n0) {
+  const int64_t KB = a.K / 32, per = a.G / 32;
+  const char* w = a.w + (n0 / 16) * (KB / 2) * 512;  // the block: K / 64 pieces of 512 bytes
+  alignas(64) uint8_t bt[2][8][512];  // two groups' B tiles (G <= 256: 8 steps of 32 columns)
+  alignas(64) int32_t sums[2][16][16];
+  __m512 acc[C];
+  for (int m = 0; m < C; m++) acc[m] = _mm512_setzero_ps();
+  const __m512i rowsx = _mm512_mullo_epi32(_mm512_set1_epi32((int)a.groups), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i nib = _mm512_set1_epi8(15);
+  for (int64_t g0 = 0; g0 < a.groups; g0 += 2) {
+    const int J = a.groups - g0 >= 2 ? 2 : 1;
+    for (int j = 0; j < J; j++)
+      for (int64_t s = 0; s < per; s++) {
+        const int64_t kb = (g0 + j) * per + s;
+        const char* p = w + kb / 2 * 512;
+        if (!(kb & 1))
+          for (int l = 0; l < 8; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
+        for (int l = 0; l < 8; l++) {
+          __m512i v = _mm512_loadu_si512(p + 64 * l);
+          if (kb & 1) v = _mm512_srli_epi16(v, 4);
+          _mm512_store_si512(bt[j][s] + 64 * l, _mm512_and_si512(v, nib));
+        }
+      }
+    _tile_zero(4);
+    if (J == 2) _tile_zero(5);
+    for (int64_t s = 0; s < per; s++) {
+      _tile_loadd(0, xb + 32 * (g0 * per + s), a.K);
+      _tile_loadd(2, bt[0][s], 64);
+      _tile_dpbsud(4, 0, 2);
+      if (J == 2) {
+        _tile_loadd(1, xb + 32 * ((g0 + 1) * per + s), a.K);
+        _tile_loadd(3, bt[1][s], 64);
+        _tile_dpbsud(5, 1, 3);
+      }
+    }
+    _tile_stored(4, sums[0], 64);
+    if (J == 2) _tile_stored(5, sums[1], 64);
+    for (int j = 0; j < J; j++) {
+      const int64_t g = g0 + j;
+      const __m512 sc = _mm512_i32gather_ps(rowsx, a.scales + n0 * a.groups + g, 4);
+      const __m512 of = _mm512_i32gather_ps(rowsx, a.offsets + n0 * a.groups + g, 4);
+      const __m512i ones = _mm512_slli_epi32(_mm512_load_si512(sums[j][2 * C]), 7);  // 128 q . 1
+      for (int m = 0; m < C; m++) {
+        const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[j][m]), 8);
+        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(hi, _mm512_load_si512(sums[j][C + m])), ones);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc, acc[m]);
+        acc[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xsum[m * a.groups + g]), acc[m]);
+      }
+    }
+  }
+  const int mp = (int)std::min<int64_t>(C, a.M - m0);
+  for (int m = 0; m < mp; m++) {
+    alignas(64) float r[16];
+    _mm512_store_ps(r, acc[m]);
+    for (int j = 0; j < 4; j++) finish4(a, m0 + m, n0 + 4 * j, _mm_load_ps(r + 4 * j));
+  }
+}
+
+// More than 7 rows: the high and the low bytes as two A tiles of up to 16 rows each (no row of ones: the low bytes
+// as they are, unsigned, TDPBUUD), two blocks a step, the sums in memory; the same integers, the same instructions
+// after them, so the same outputs as amx_i4_panel. (Panels of 7 in registers re-read the weights for every panel:
+// 9 rows 1.2x, 17 rows 1.2x the time of this)
+inline void configure_tiles_i4_wide(int cols) {
+  TileConfig c;
+  for (int t = 0; t <= 1; t++) c.rows[t] = cols, c.colsb[t] = 32;  // A: the high and the low bytes
+  for (int t = 2; t <= 3; t++) c.rows[t] = 8, c.colsb[t] = 64;     // B: 32 columns of two weight blocks
+  for (int t = 4; t <= 7; t++) c.rows[t] = cols, c.colsb[t] = 64;  // C: the high and low sums of each block
+  load_tile_config(c);
+}
+
+// the activations' high (signed) and low (unsigned) bytes, (padded, K) each, zero rows past `rows`
+void byte_planes(const int16_t* xq, int64_t rows, int64_t padded, int64_t K, std::vector<int8_t>& hi, std::vector<uint8_t>& lo) {
+  hi.assign(padded * K, 0), lo.assign(padded * K, 0);
+  for (int64_t i = 0; i < rows * K; i += 32) {
+    const __m512i v = _mm512_loadu_si512(xq + i);
+    _mm256_storeu_si256((__m256i*)(hi.data() + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    _mm256_storeu_si256((__m256i*)(lo.data() + i), _mm512_cvtepi16_epi8(v));
+  }
+}
+
+// NB blocks of 16 weight rows from n0 x every activation row (panels of cols); acc: (M, NB, 16) fp32 sums
+template <int NB>
+inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const float* xsum, int cols, int64_t n0, float* acc) {
+  const int64_t KB = a.K / 32, per = a.G / 32, panels = (a.M + cols - 1) / cols;
+  alignas(64) uint8_t bt[NB][8][512];
+  alignas(64) int32_t c[2][16][16];
+  std::memset(acc, 0, a.M * NB * 16 * sizeof(float));
+  const __m512i rowsx = _mm512_mullo_epi32(_mm512_set1_epi32((int)a.groups), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i nib = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < a.groups; g++) {
+    for (int b = 0; b < NB; b++)
+      for (int64_t s = 0; s < per; s++) {
+        const int64_t kb = g * per + s;
+        const char* p = a.w + ((n0 / 16 + b) * (KB / 2) + kb / 2) * 512;
+        if (!(kb & 1))
+          for (int l = 0; l < 8; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
+        for (int l = 0; l < 8; l++) {
+          __m512i v = _mm512_loadu_si512(p + 64 * l);
+          if (kb & 1) v = _mm512_srli_epi16(v, 4);
+          _mm512_store_si512(bt[b][s] + 64 * l, _mm512_and_si512(v, nib));
+        }
+      }
+    __m512 sc[NB], of[NB];
+    for (int b = 0; b < NB; b++) {
+      sc[b] = _mm512_i32gather_ps(rowsx, a.scales + (n0 + 16 * b) * a.groups + g, 4);
+      of[b] = _mm512_i32gather_ps(rowsx, a.offsets + (n0 + 16 * b) * a.groups + g, 4);
+    }
+    for (int64_t pn = 0; pn < panels; pn++) {
+      const int64_t m0 = pn * cols;
+      _tile_zero(4);
+      _tile_zero(5);
+      if (NB == 2) {
+        _tile_zero(6);
+        _tile_zero(7);
+      }
+      for (int64_t s = 0; s < per; s++) {
+        const int64_t kb = g * per + s;
+        _tile_loadd(0, hi + m0 * a.K + 32 * kb, a.K);
+        _tile_loadd(1, lo + m0 * a.K + 32 * kb, a.K);
+        _tile_loadd(2, bt[0][s], 64);
+        _tile_dpbsud(4, 0, 2);
+        _tile_dpbuud(5, 1, 2);
+        if (NB == 2) {
+          _tile_loadd(3, bt[NB - 1][s], 64);
+          _tile_dpbsud(6, 0, 3);
+          _tile_dpbuud(7, 1, 3);
+        }
+      }
+      const int64_t mp = std::min<int64_t>(cols, a.M - m0);
+      for (int b = 0; b < NB; b++) {
+        if (b == 0) {  // the tile numbers are immediates
+          _tile_stored(4, c[0], 64);
+          _tile_stored(5, c[1], 64);
+        } else {
+          _tile_stored(6, c[0], 64);
+          _tile_stored(7, c[1], 64);
+        }
+        for (int64_t m = 0; m < mp; m++) {
+          const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[0][m]), 8), _mm512_load_si512(c[1][m]));
+          float* r = acc + ((m0 + m) * NB + b) * 16;
+          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc[b], _mm512_load_ps(r));
+          _mm512_store_ps(r, _mm512_fmadd_ps(of[b], _mm512_set1_ps(xsum[(m0 + m) * a.groups + g]), v));
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < a.M; m++)
+    for (int b = 0; b < NB; b++) {
+      const float* r = acc + (m * NB + b) * 16;
+      for (int j = 0; j < 4; j++) finish4(a, m, n0 + 16 * b + 4 * j, _mm_load_ps(r + 4 * j));
+    }
+}
+
+// a weight block x every panel
+inline void amx_i4_block(const Lin& a, const int8_t* xb, const float* xsum, int c, int64_t n0) {
+  const int64_t panels = (a.M + c - 1) / c;
+  for (int64_t pn = 0; pn < panels; pn++) {
+    const int8_t* x = xb + pn * (2 * c + 1) * a.K;
+    const float* s = xsum + pn * c * a.groups;
+    switch (c) {
+      case 1: amx_i4_panel<1>(a, x, s, pn * c, n0); break;
+      case 2: amx_i4_panel<2>(a, x, s, pn * c, n0); break;
+      case 3: amx_i4_panel<3>(a, x, s, pn * c, n0); break;
+      case 4: amx_i4_panel<4>(a, x, s, pn * c, n0); break;
+      case 5: amx_i4_panel<5>(a, x, s, pn * c, n0); break;
+      case 6: amx_i4_panel<6>(a, x, s, pn * c, n0); break;
+      default: amx_i4_panel<7>(a, x, s, pn * c, n0); break;
+    }
+  }
+}
+
+void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows rounded to 16 bits, columns in order
+  const int64_t blocks = a.N / 16;
+  const int64_t grain = std::max<int64_t>(1, 65536 / 8 / std::max<int64_t>(a.K, 1));
+  static thread_local std::vector<int8_t> xbytes;
+  static thread_local std::vector<uint8_t> xlow;
+  static thread_local std::vector<float> xsum;
+  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
+    Lin p = a;  // rows p0.. of the input and the output
+    p.M = std::min<int64_t>(64, a.M - p0);
+    p.xs = a.xs + p0;
+    p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
+    const bool wide = p.M > I4_ROWS;
+    const int64_t panels = (p.M + (wide ? 15 : I4_ROWS)) / (wide ? 16 : I4_ROWS);
+    const int c = (int)((p.M + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
+    if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xbytes, xlow);
+    else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, xbytes);
+    xsum.assign(panels * c * a.groups, 0.0f);  // padding rows: zeros
+    for (int64_t m = 0; m < p.M; m++)
+      for (int64_t g = 0; g < a.groups; g++) {
+        int32_t s = 0;  // exact: at most 256 x 32767
+        for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) s += a.xq[(p0 + m) * a.K + k];
+        xsum[m * a.groups + g] = (float)s;
+      }
+    const int8_t* xb = xbytes.data();  // this thread's buffers (a worker's would be its own)
+    const uint8_t* xl = xlow.data();
+    const float* xs = xsum.data();
+    if (!wide) {
+      at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+        configure_tiles_i4(2 * c + 1);
+        for (int64_t b = b0; b < b1; b++) amx_i4_block(p, xb, xs, c, 16 * b);
+        _tile_release();
+      });
+      continue;
+    }
+    const int64_t nb = blocks % 2 == 0 ? 2 : 1;
+    at::parallel_for(0, blocks / nb, std::max<int64_t>(1, grain / nb), [&](int64_t b0, int64_t b1) {
+      configure_tiles_i4_wide(c);
+      alignas(64) float acc[64 * 2 * 16];
+      for (int64_t b = b0; b < b1; b++) {
+        if (nb == 2) amx_i4_wide<2>(p, xb, xl, xs, c, 32 * b, acc);
+        else amx_i4_wide<1>(p, xb, xl, xs, c, 16 * b, acc);
+      }
+      _tile_release();
+    });
+  }
+}
 #pragma GCC pop_options
 #else
 void run_amx(const Lin&) {}  // never called: amx_usable() is false
 void run_amx_i8(const Lin&) {}
+void run_amx_i4(const Lin&) {}
 #endif
 
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
@@ -1042,8 +1302,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  TORCH_CHECK(w.size(2) == 4 || (wt == W_I8 && level == AMX && K <= 65536),
-              "eagle_fast::linear: tall blocks (16 rows) are for int8 weights on AMX CPUs (kernels.pack made them here)");
+  TORCH_CHECK(w.size(2) == 4 || ((wt == W_I8 || wt == W_I4) && level == AMX && K <= 65536),
+              "eagle_fast::linear: tall blocks (16 rows) are for int8 and int4 weights on AMX CPUs (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
   a.rshift = w.size(2) == 16 ? 4 : 2;
@@ -1077,8 +1337,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.out = out.data_ptr();
   if (M == 0) return out;
   const bool amx_i8 = level == AMX && wt == W_I8 && K <= 65536;  // int8 on AMX: the integer path, any x dtype
+  const bool amx_i4 = wt == W_I4 && a.rshift == 4;                // int4 in tall blocks: likewise
+  TORCH_CHECK(!amx_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   at::Tensor xb;
-  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8) {  // BF16 dot products
+  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8 && !amx_i4) {  // BF16 dot products
     xb = x.contiguous();
     if (wt == W_I4) {  // x in the nibbles' order: each 32 columns as evens, then odds
       xb = xb.clone();
@@ -1105,7 +1367,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
-  if ((level < AVX512 || amx_i8) && wt == W_I8) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
+  if (((level < AVX512 || amx_i8) && wt == W_I8) || amx_i4) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
     // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
@@ -1116,6 +1378,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data());
     a.xq = xq, a.xs = xs.data();
     if (amx_i8) run_amx_i8(a);
+    else if (amx_i4) run_amx_i4(a);
     else run_linear<KernelI8>(a, KernelI8::MAX_MB);
     return out;
   }
@@ -1515,12 +1778,15 @@ def can_pack(weight: Tensor) -> bool:
 
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/R, K/32, R, 32): blocks of R = 4 rows (16 for int8 on AMX: block_rows) x 32 columns, a block's
-    rows one after another (int4 nibbles (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block). The same numbers,
-    re-laid so that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages
-    (on_huge_pages)."""
+    rows one after another (int4 nibbles (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block; on AMX (N/16, K/64,
+    16, 32), each block two B tiles in one: _int4_tiles). The same numbers, re-laid so that the kernel reads each
+    block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
-    blocks = weight.detach().reshape(N // R, R, width // C, C).transpose(1, 2)
+    if weight.dtype == torch.uint8 and R == 16:
+        blocks = _int4_tiles(weight.detach())
+    else:
+        blocks = weight.detach().reshape(N // R, R, width // C, C).transpose(1, 2)
     packed = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
     on_huge_pages(packed)
     return packed.copy_(blocks)
@@ -1550,22 +1816,42 @@ def on_huge_pages(t: Tensor) -> bool:
 
 
 def block_rows(weight: Tensor) -> int:
-    """Rows of pack()'s blocks: 16 for int8 weights where the AMX build runs (a block is one int8 tile, 16 rows x
-    32 columns: the tiles then do a quarter of the products a 4-row block needs), else 4."""
-    N, K = weight.shape
-    tall = weight.dtype == torch.int8 and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536
+    """Rows of pack()'s blocks where the AMX build runs: 16 for int8 weights (a block is one int8 tile, 16 rows x
+    32 columns: the tiles then do a quarter of the products a 4-row block needs) and for int4 ones (two B tiles of
+    16 weight rows); else 4."""
+    N, width = weight.shape
+    K = 2 * width if weight.dtype == torch.uint8 else width
+    tall = weight.dtype in (torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536
     return 16 if tall and load() and isa() == "amx" else 4
+
+
+def _int4_tiles(nibbles: Tensor) -> Tensor:
+    """int4 nibbles (N, K/2) -> (N/16, K/64, 16, 32) bytes: for each 16 rows and 64 columns, 512 bytes laid out as
+    (8 quads, 16 rows, 4 columns), the low nibble of byte (r, n, j) column 4r + j of row n, the high nibble column
+    32 + 4r + j: masked, the first 32 columns as an int8 B tile (VNNI order), shifted, the next 32."""
+    N = nibbles.shape[0]
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(N // 16, 16, -1, 2, 8, 4)  # (blk, n, kp, half, r, j)
+    q = q.permute(0, 2, 3, 4, 1, 5)  # (blk, kp, half, r, n, j)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N // 16, -1, 16, 32)
 
 
 def unpack(packed: Tensor) -> Tensor:
     """The inverse of pack()."""
     B, KB, R, C = packed.shape
+    if packed.dtype == torch.uint8 and R == 16:  # _int4_tiles
+        v = packed.reshape(B, KB, 1, 8, 16, 4)
+        q = torch.cat([v & 15, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(16 * B, 64 * KB)  # (blk, n, kp, half, r, j)
+        return q[:, 0::2] | (q[:, 1::2] << 4)
     return packed.transpose(1, 2).reshape(R * B, KB * C)
 
 
 def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
     """Rows idx of a packed weight, (*idx.shape, K): an embedding lookup in a tied, packed table."""
     R = packed.shape[2]
+    if packed.dtype == torch.uint8 and R == 16:  # the blocks that hold them, unpacked
+        flat = idx.reshape(-1)
+        rows = unpack(packed[flat // R]).view(flat.numel(), R, -1)[torch.arange(flat.numel()), flat % R]
+        return rows.view(*idx.shape, -1)
     return packed[idx // R, :, idx % R].flatten(-2)
 
 
@@ -1651,8 +1937,8 @@ def rows16(x: Tensor) -> tuple[Tensor, Tensor]:
 def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
                      offsets: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
-    AVX2 and AMX builds see x rounded to 16 bits a row (round_rows16)."""
-    int16_rows = scales is not None and offsets is None and isa() in ("avx2", "amx")
+    AVX2 and AMX builds, and int4 ones on AMX (tall blocks), see x rounded to 16 bits a row (round_rows16)."""
+    int16_rows = scales is not None and (offsets is None and isa() in ("avx2", "amx") or packed.shape[2] == 16)
     y = F.linear(round_rows16(x) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     return (y if bias is None else y + bias.float()).to(x.dtype)
 

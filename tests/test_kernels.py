@@ -129,6 +129,61 @@ def test_int8_tall_blocks_on_amx():
         kernels.linear(x, torch.zeros(3, 10, 16, 32, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("G", [32, 256])
+def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
+    """The AMX build multiplies int4 weights (tall blocks) by x rounded to 16-bit integers a row, exact integer sums a
+    group, then scale and offset: the outputs are those of round_rows16(x) @ the dequantized weight, to fp32's
+    rounding, at every M (one tile of 2c + 1 rows up to 7 rows, two tiles of up to 16 above), at the largest products
+    (no integer overflow), with a row of zeros and rows holding a NaN or an inf."""
+    if kernels.isa() != "amx":
+        pytest.skip("the AMX build's int4 path (a Xeon with AMX tiles)")
+    g = torch.Generator().manual_seed(5)
+    N, K = 96, 1536  # 6 blocks of 16 rows: both threads, one block left over for the two-block steps
+    nibbles = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    nibbles[0] = 255  # weight row 0: q = 15 everywhere
+    scales, offsets = torch.rand(N, K // G, generator=g) / 15, -torch.rand(N, K // G, generator=g)
+    x = torch.randn(70, K, generator=g) * torch.logspace(-2, 2, K)
+    x[1] = -1.0  # every product of row 1 and weight row 0 at its largest
+    x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
+    packed = kernels.pack(nibbles)
+    assert packed.shape == (N // 16, K // 64, 16, 32)
+    dense = kernels.dequantize(nibbles, scales, offsets).double()
+    ref = F.linear(kernels.round_rows16(x).double(), dense).float()
+    y = kernels.linear(x, packed, None, scales, offsets)
+    assert torch.equal(y.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    assert torch.allclose(y[ok], ref[ok], rtol=1e-5, atol=1e-5 * ref[ok].abs().max().item())
+    assert torch.equal(y[2], torch.zeros(N)) and y[3].isnan().all() and y[4].isnan().all()
+    assert y[1, 0].item() == pytest.approx(-(15 * scales[0] + offsets[0]).sum().item() * G, rel=1e-4)
+    # not the float sums: x rounded to 16 bits is a different (and, here, visible) result
+    assert not torch.allclose(y[0], F.linear(x[0:1].double(), dense).float()[0], rtol=1e-7, atol=0)
+    for M in (1, 2, 5, 7, 8, 9, 16, 17, 33):  # bit for bit (NaN rows: NaN)
+        torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, offsets), y[:M], rtol=0, atol=0,
+                                   equal_nan=True, msg=f"M={M}")
+
+
+def test_int4_tiles_layout_on_amx():
+    """On AMX, pack() lays int4 weights out as B tiles (16 rows x 64 columns in 512 bytes; _int4_tiles), which
+    unpack() and packed_rows() read back; N % 16 != 0 keeps the 4-row layout; group sizes above 256 are one error."""
+    if kernels.isa() != "amx":
+        pytest.skip("the int4 tile layout is the AMX build's")
+    g = torch.Generator().manual_seed(6)
+    nibbles = torch.randint(0, 256, (48, 320), generator=g, dtype=torch.uint8)
+    tall = kernels.pack(nibbles)
+    assert tall.shape == (3, 10, 16, 32) and torch.equal(kernels.unpack(tall), nibbles)
+    q = torch.stack([nibbles & 15, nibbles >> 4], -1).reshape(48, 640).tolist()  # the int4 values
+    tiles = tall.view(3, 10, 8, 16, 4)  # (block, 64 columns, quad r, row n, j)
+    for blk, kp, r, n, j in [(0, 0, 0, 0, 0), (1, 2, 3, 5, 1), (2, 9, 7, 15, 3), (1, 4, 6, 0, 2)]:
+        row, col = 16 * blk + n, 64 * kp + 4 * r + j  # low nibble: column 4r + j of the first 32, high: of the next
+        assert tiles[blk, kp, r, n, j].item() == q[row][col] | q[row][col + 32] << 4
+    idx = torch.tensor([[0, 15, 16], [47, 33, 2]])
+    assert torch.equal(kernels.packed_rows(tall, idx), nibbles[idx])
+    assert kernels.pack(nibbles[:44]).shape == (11, 10, 4, 32)
+    with pytest.raises(RuntimeError, match="group sizes up to 256"):  # one group of 1024 columns
+        kernels.linear(torch.randn(3, 1024), kernels.pack(torch.zeros(48, 512, dtype=torch.uint8)), None,
+                       torch.ones(48, 1), torch.zeros(48, 1))
+
+
 @pytest.mark.parametrize("M", [1, 5])  # one row (block) and three to six (pairs: both passes' lanes summed once)
 def test_bf16_outputs_round_as_torch_does(M):
     """Each fp32 sum to bf16 as torch's own conversion: ties to even, a NaN, infinities, the largest finite values
