@@ -20,7 +20,8 @@ subnormal bf16 inputs, below 1.2e-38, as zero, which no model's activations come
 rounded to 16-bit integers (a scale per row: max |x| / 32767) in integer dot products, twice the multiply-adds an
 instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the
 text's noise of the float activations' 9.50-9.56); on AMX the same integers go through the int8 tiles, a high and
-a low byte, and each output is the exact integer dot product rounded to fp32 once. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
+a low byte, and each output is the exact integer dot product rounded to fp32 once; int4 weights there (in pack's
+tile layout) meet the same integers, exact integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
@@ -29,7 +30,7 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
     torch.ops.eagle_fast.linear(x, w, scales, offsets, bias)
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
         and AMX builds round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2) with scales and
-        offsets (N, K/G) (w = q * scale + offset); -> (M, N) in x's dtype
+        offsets (N, K/G) (w = q * scale + offset; AMX: x rounded likewise); -> (M, N) in x's dtype
     torch.ops.eagle_fast.attention(q, k, v, mask)
         q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
         in q's dtype, laid out as (B, T, H, D); softmax in fp32
@@ -1347,9 +1348,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
       permute_evens_odds((uint16_t*)xb.data_ptr(), M, K, 32);
     }
     a.xb = (const uint16_t*)xb.data_ptr();
-    // bf16 weights, every M, through the tiles (they sum in another order than the vector dot products). int4
-    // stays on the vectors: converted to bf16 and stored for the tiles, one row took 2.5x longer (42 -> 104 us,
-    // 1536 x 576), and 5 rows about as long as the vectors take; int8 takes the integer tiles (run_amx_i8)
+    // bf16 weights, every M, through the tiles (they sum in another order than the vector dot products). int8 and
+    // int4 (tall blocks) take the integer tiles (run_amx_i8, run_amx_i4); int4 dequantized to bf16 and stored for
+    // the bf16 tiles had cost one row 2.5x the vectors' time (42 -> 104 us, 1536 x 576), 5 rows about the same
     if (level == AMX && wt == W_BF16) {
       run_amx(a);
       return out;
