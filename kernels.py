@@ -1643,8 +1643,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const E* vp = (const E*)v.data_ptr();
   const bool* mp = mask.data_ptr<bool>();
   E* op = (E*)out.data_ptr();
+  // a KV head's query heads together (one pass over V for all) once there is an item per thread: the default model's
+  // one-token step on 2 threads, 3 items of 3 heads 8.6 us a layer against 9 of one head 10.5 (AMX Xeon)
   int64_t R = 1;
-  if (B * n_kv * T >= 4 * at::get_num_threads()) R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+  if (B * n_kv * T >= at::get_num_threads()) R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
   at::parallel_for(0, B * H * T / R, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(R * (S + 4));  // scores are written four at a time
     std::vector<int64_t> slots(S);
