@@ -20,8 +20,8 @@ subnormal bf16 inputs, below 1.2e-38, as zero, which no model's activations come
 rounded to 16-bit integers (a scale per row: max |x| / 32767) in integer dot products, twice the multiply-adds an
 instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the
 text's noise of the float activations' 9.50-9.56); on AMX the same integers go through the int8 tiles, a high and
-a low byte, and each output is the exact integer dot product rounded to fp32 once; int4 weights there (in pack's
-tile layout) meet the same integers, exact integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
+a low byte, against int8 and int4 weights that pack lays out as the tiles' B operand: int8 outputs are the exact
+integer dot products rounded to fp32 once, int4 ones exact integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
@@ -29,8 +29,9 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
 
     torch.ops.eagle_fast.linear(x, w, scales, offsets, bias)
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
-        and AMX builds round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2) with scales and
-        offsets (N, K/G) (w = q * scale + offset; AMX: x rounded likewise); -> (M, N) in x's dtype
+        build and AMX's tall blocks round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2)
+        with scales and offsets (N, K/G) (w = q * scale + offset; AMX's tall blocks: x rounded likewise); -> (M, N)
+        in x's dtype
     torch.ops.eagle_fast.attention(q, k, v, mask)
         q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
         in q's dtype, laid out as (B, T, H, D); softmax in fp32
@@ -46,7 +47,8 @@ from torch import Tensor
 MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify steps); prefill goes to SDPA
 # What the ops return (shapes, strides, dtypes): compiled graphs check it, so generate.py's compile cache is kept per
 # version, and a change to an op's output must bump it (a graph cached before the attention's output became
-# (B, T, H, D)-strided failed its stride assertion; 3: the linear of tall int8 blocks, N = 16 x blocks)
+# (B, T, H, D)-strided failed its stride assertion; 3: the linear of tall int8 blocks, N = 16 x blocks; their
+# layout changed since, not what the op returns)
 OPS_VERSION = 3
 
 CPP = r"""
@@ -469,186 +471,6 @@ void run_amx(const Lin& a) {
   }
 }
 
-// int8 weights through the tiles (AMX-INT8). The activations are rounded to 16-bit integers a row, as on AVX2
-// (quantize_rows16), and split into a signed high and an unsigned low byte, x = 256 hi + lo; the weight block
-// (16 rows x 32 int8 where pack made tall blocks, else 4 rows, as packed) is A, each byte plane B (8 quads of
-// columns x up to 16 rows), and the tiles sum hi . w and lo . w in int32 (TDPBSSD, TDPBSUD; at most 128 x 128 and
-// 255 x 128 a product: no overflow below 65536 columns). Integer sums are exact: each output is the exact dot
-// product, 256 hi + lo, rounded to fp32 once, whatever M is, in whatever order the tiles add, and whichever path
-// (tiles or vectors, run_i8_rows) computes it. No weight is converted, and 3 rows cost about what 16 do: a
-// forward's linears at 5 rows 1.07x one row by the tiles (the vector path, converting each weight to bf16: 1.5x).
-// A tile product costs ~2.5 ns at 4 rows of A and ~4.3 ns at 16 (Emerald Rapids), so 4-row blocks made the tiles
-// the bound: a one-thread pass over the int8 LM head, 2.05 ms with 4-row A tiles, 1.35 ms with 16-row ones.
-inline void configure_tiles_i8(int R, int cols) {  // R: the weight block's rows, 4 or 16
-  TileConfig c;
-  for (int t = 0; t <= 1; t++) c.rows[t] = 8, c.colsb[t] = 4 * cols;   // B: the hi and lo bytes
-  for (int t = 2; t <= 3; t++) c.rows[t] = R, c.colsb[t] = 32;         // A: two weight blocks
-  for (int t = 4; t <= 7; t++) c.rows[t] = R, c.colsb[t] = 4 * cols;   // C: hi and lo sums of each block
-  load_tile_config(c);
-}
-
-// the byte planes as B tiles: (panels, K/32, 8 quads, cols, 4) bytes each, zeros past row M. 32 values at a time:
-// the scalar loop took ~0.3 ms of a 5-row forward
-void quad_layout(const int16_t* xq, int64_t M, int64_t K, int cols, std::vector<uint8_t>& hi, std::vector<uint8_t>& lo) {
-  const int64_t KB = K / 32, panels = (M + cols - 1) / cols;
-  hi.assign(panels * KB * 32 * cols, 0), lo.assign(panels * KB * 32 * cols, 0);
-  for (int64_t m = 0; m < M; m++) {
-    const int64_t base = (m / cols) * KB * 32 * cols + (m % cols) * 4;
-    for (int64_t kb = 0; kb < KB; kb++) {
-      const __m512i v = _mm512_loadu_si512(xq + m * K + 32 * kb);
-      alignas(32) uint32_t h[8], l[8];
-      _mm256_store_si256((__m256i*)h, _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-      _mm256_store_si256((__m256i*)l, _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(255))));
-      uint8_t* ph = hi.data() + base + kb * 32 * cols;
-      uint8_t* pl = lo.data() + base + kb * 32 * cols;
-      for (int q = 0; q < 8; q++) std::memcpy(ph + q * 4 * cols, &h[q], 4), std::memcpy(pl + q * 4 * cols, &l[q], 4);
-    }
-  }
-}
-
-// One or two rows of int8 weights on an AMX machine: the same exact integer dot products by vector instructions (int8
-// sign-extended to int16 once for all rows, vpdpwssd: 16 lanes of pair sums, widened to int64 every 4096
-// columns, then summed), so the outputs are the tiles' bit for bit. The tiles do 2 products a block at any M,
-// which one or two rows pay for in full. One row against 8 or 16 weight rows at a time, two rows against 4
-template <int MB, int NB>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-inline void i8_rows_block(const Lin& a, int64_t m0, int64_t n0) {
-  const int64_t KB = a.K / 32, CHUNK = 128;
-  __m512i wide[MB][4 * NB][2];
-  for (int i = 0; i < MB; i++)
-    for (int j = 0; j < 4 * NB; j++) wide[i][j][0] = wide[i][j][1] = _mm512_setzero_si512();
-  for (int64_t c0 = 0; c0 < KB; c0 += CHUNK) {
-    __m512i acc[MB][4 * NB];
-    for (int i = 0; i < MB; i++)
-      for (int j = 0; j < 4 * NB; j++) acc[i][j] = _mm512_setzero_si512();
-    for (int64_t kb = c0; kb < std::min(KB, c0 + CHUNK); kb++) {
-      if (a.ahead_lines && m0 == 0)  // the 4 rows' 128 bytes, 16 KB on (either block height)
-        for (int h = 0; h < NB; h++) {
-          const char* p = a.row(n0 + 4 * h, kb) + PREFETCH_AHEAD;
-          _mm_prefetch(p, _MM_HINT_T1), _mm_prefetch(p + 64, _MM_HINT_T1);
-        }
-      __m512i x[MB];
-      for (int i = 0; i < MB; i++) x[i] = _mm512_loadu_si512(a.xq + (m0 + i) * a.K + 32 * kb);
-      for (int h = 0; h < NB; h++) {
-        const char* p = a.row(n0 + 4 * h, kb);
-        for (int j = 0; j < 4; j++) {
-          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(p + 32 * j)));
-          for (int i = 0; i < MB; i++) acc[i][4 * h + j] = _mm512_dpwssd_epi32(acc[i][4 * h + j], x[i], w);
-        }
-      }
-    }
-    for (int i = 0; i < MB; i++)
-      for (int j = 0; j < 4 * NB; j++) {
-        wide[i][j][0] = _mm512_add_epi64(wide[i][j][0], _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[i][j])));
-        wide[i][j][1] = _mm512_add_epi64(wide[i][j][1], _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[i][j], 1)));
-      }
-  }
-  for (int i = 0; i < MB; i++)
-    for (int h = 0; h < NB; h++) {
-      float v[4];
-      for (int j = 0; j < 4; j++)
-        v[j] = (float)_mm512_reduce_add_epi64(_mm512_add_epi64(wide[i][4 * h + j][0], wide[i][4 * h + j][1]));
-      finish4(a, m0 + i, n0 + 4 * h, _mm_loadu_ps(v));
-    }
-}
-
-void run_i8_rows(const Lin& a) {  // a.M is 1 or 2
-  const int R = 1 << a.rshift;  // 4, or 16: tall blocks
-  const int64_t blocks = a.N / R, nb = R == 4 && a.M == 1 && blocks % 2 == 0 ? 2 : 1;
-  const int64_t grain = std::max<int64_t>(1, 65536 / R / std::max<int64_t>(a.K, 1) / nb);
-  at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++) {
-      const int64_t n0 = R * nb * b;
-      if (a.M == 1 && R == 16) i8_rows_block<1, 4>(a, 0, n0);
-      else if (a.M == 1 && nb == 2) i8_rows_block<1, 2>(a, 0, n0);
-      else if (a.M == 1) i8_rows_block<1, 1>(a, 0, n0);
-      else
-        for (int h = 0; h < R; h += 4) i8_rows_block<2, 1>(a, 0, n0 + h);
-    }
-  });
-}
-
-// NB blocks of R weight rows (4, or 16: pack's tall blocks) x every activation row, a panel of cols at a time
-template <int R, int NB>
-inline void amx_i8_blocks(const Lin& a, const uint8_t* hi, const uint8_t* lo, int cols, int64_t n0) {
-  const int64_t KB = a.K / 32;
-  for (int64_t m0 = 0; m0 < a.M; m0 += cols, hi += KB * 32 * cols, lo += KB * 32 * cols) {
-    _tile_zero(4);
-    _tile_zero(5);
-    if (NB == 2) {
-      _tile_zero(6);
-      _tile_zero(7);
-    }
-    for (int64_t kb = 0; kb < KB; kb++) {
-      if (a.ahead_lines && m0 == 0)
-        for (int b = 0; b < NB; b++) {  // the block's R / 2 lines, 16 KB on
-          const char* p = a.row(n0 + R * b, kb) + PREFETCH_AHEAD;
-          for (int l = 0; l < R / 2; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
-        }
-      _tile_loadd(0, hi + kb * 32 * cols, 4 * cols);
-      _tile_loadd(1, lo + kb * 32 * cols, 4 * cols);
-      _tile_loadd(2, a.row(n0, kb), 32);
-      _tile_dpbssd(4, 2, 0);
-      _tile_dpbsud(5, 2, 1);
-      if (NB == 2) {
-        _tile_loadd(3, a.row(n0 + R, kb), 32);
-        _tile_dpbssd(6, 3, 0);
-        _tile_dpbsud(7, 3, 1);
-      }
-    }
-    int32_t c[2][2][R][16];
-    _tile_stored(4, c[0][0], 64);
-    _tile_stored(5, c[0][1], 64);
-    if (NB == 2) {
-      _tile_stored(6, c[1][0], 64);
-      _tile_stored(7, c[1][1], 64);
-    }
-    alignas(64) float t[2][R][16];  // 256 hi + lo in double (exact below 2^53), rounded to fp32 once
-    for (int b = 0; b < NB; b++)
-      for (int j = 0; j < R; j++)
-        for (int h = 0; h < 2; h++) {
-          const __m512d vh = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][0][j] + 8 * h)));
-          const __m512d vl = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c[b][1][j] + 8 * h)));
-          _mm256_store_ps(t[b][j] + 8 * h, _mm512_cvtpd_ps(_mm512_add_pd(_mm512_mul_pd(vh, _mm512_set1_pd(256.0)), vl)));
-        }
-    const int mp = (int)std::min<int64_t>(cols, a.M - m0);
-    for (int b = 0; b < NB; b++)
-      for (int m = 0; m < mp; m++)
-        for (int g = 0; g < R / 4; g++)
-          finish4(a, m0 + m, n0 + R * b + 4 * g,
-                  _mm_setr_ps(t[b][4 * g][m], t[b][4 * g + 1][m], t[b][4 * g + 2][m], t[b][4 * g + 3][m]));
-  }
-}
-
-void run_amx_i8(const Lin& a) {
-  // the linears of a forward (tall blocks, 2 threads): 1-4 rows by the vectors 5.2-5.7 / 5.4-5.9 / 6.1-6.5 /
-  // 6.9-7.3 ms, by the tiles 6.0 / 6.1 / 6.2 / 6.3 (5 rows 6.4, 9 rows 7.0)
-  if (a.M <= 2) return run_i8_rows(a);
-  const int R = 1 << a.rshift;
-  const int64_t blocks = a.N / R, nb = blocks % 2 == 0 ? 2 : 1;
-  const int64_t grain = std::max<int64_t>(1, 65536 / R / std::max<int64_t>(a.K, 1) / nb);
-  const int cols = (int)std::min<int64_t>(16, a.M);
-  static thread_local std::vector<uint8_t> hi, lo;
-  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
-    Lin p = a;  // rows p0.. of the input and the output
-    p.M = std::min<int64_t>(64, a.M - p0);
-    p.xs = a.xs + p0;
-    p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
-    quad_layout(a.xq + p0 * a.K, p.M, a.K, cols, hi, lo);
-    const uint8_t *h = hi.data(), *l = lo.data();  // this thread's buffers (a worker's hi would be its own)
-    at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
-      configure_tiles_i8(R, cols);
-      for (int64_t b = b0; b < b1; b++) {
-        if (R == 16 && nb == 2) amx_i8_blocks<16, 2>(p, h, l, cols, 32 * b);
-        else if (R == 16) amx_i8_blocks<16, 1>(p, h, l, cols, 16 * b);
-        else if (nb == 2) amx_i8_blocks<4, 2>(p, h, l, cols, 8 * b);
-        else amx_i8_blocks<4, 1>(p, h, l, cols, 4 * b);
-      }
-      _tile_release();
-    });
-  }
-}
-
 // int4 weights on AMX, the other way round: the activations are A, the weights B. pack lays int4 out for the tiles
 // (16 weight rows x 64 columns in 512 bytes; byte (r, n, j) holds column 4r + j of the first 32 columns in its low
 // nibble and of the next 32 in its high one: two B tiles, a mask or a shift away). The activations are rounded to
@@ -907,11 +729,92 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     });
   }
 }
+
+inline void configure_tiles_i8_tall(int rows) {  // rows: the A tiles', 2c + 1
+  TileConfig c;
+  c.rows[0] = 16, c.colsb[0] = 64;                                 // B: 64 columns of 16 weight rows
+  for (int t = 1; t <= 3; t++) c.rows[t] = rows, c.colsb[t] = 64;  // A: up to 3 panels, 64 columns
+  for (int t = 4; t <= 6; t++) c.rows[t] = rows, c.colsb[t] = 64;  // C: their sums
+  load_tile_config(c);
+}
+
+// int8 weights in tall blocks take the tiles the int4 way round: pack lays them out as B tiles (16 weight rows x 64
+// columns, 1 KB: byte (r, n, j) is column 4r + j of row n, the VNNI order), read straight from the weight stream;
+// a panel of c <= 7 activation rows is one A tile of 2c + 1 rows (high bytes, low bytes less 128, a row of ones:
+// panel_bytes) and up to 3 panels go in one pass over the weights. No groups: the sums stay in the tiles for the
+// whole of K, one TDPBSSD per 64 columns and panel, one store per block and panel at the end; x . w = 256 hi . w +
+// lo' . w + 128 w . 1 in double (exact), rounded to fp32 once: the exact integer dot product, as before. With the
+// weights as A (16 rows a product whatever M, two products per 32 columns) the products were the bound.
+template <int P>
+inline void amx_i8_tall_block(const Lin& a, const int8_t* xb, int c, int64_t m0, int64_t n0) {
+  const int64_t KP = a.K / 64, prow = (2 * c + 1) * a.K;
+  const char* w = a.w + (n0 / 16) * KP * 1024;
+  _tile_zero(4);
+  if (P > 1) _tile_zero(5);
+  if (P > 2) _tile_zero(6);
+  for (int64_t kp = 0; kp < KP; kp++) {
+    const char* p = w + kp * 1024;
+    if (a.ahead_lines)
+      for (int l = 0; l < 16; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
+    _tile_loadd(0, p, 64);
+    _tile_loadd(1, xb + 64 * kp, a.K);
+    _tile_dpbssd(4, 1, 0);
+    if (P > 1) {
+      _tile_loadd(2, xb + prow + 64 * kp, a.K);
+      _tile_dpbssd(5, 2, 0);
+    }
+    if (P > 2) {
+      _tile_loadd(3, xb + 2 * prow + 64 * kp, a.K);
+      _tile_dpbssd(6, 3, 0);
+    }
+  }
+  alignas(64) int32_t sums[16][16];
+  for (int pn = 0; pn < P; pn++) {
+    if (pn == 0) _tile_stored(4, sums, 64);  // the tile numbers are immediates
+    else if (pn == 1) _tile_stored(5, sums, 64);
+    else _tile_stored(6, sums, 64);
+    const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
+    for (int64_t m = 0; m < mp; m++) {
+      alignas(64) float t[16];
+      for (int h = 0; h < 2; h++) {
+        const __m512d hi = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[m] + 8 * h)));
+        const __m512d lo = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[c + m] + 8 * h)));
+        const __m512d ones = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * c] + 8 * h)));
+        const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(hi, _mm512_set1_pd(256.0)), lo),
+                                        _mm512_mul_pd(ones, _mm512_set1_pd(128.0)));
+        _mm256_store_ps(t + 8 * h, _mm512_cvtpd_ps(s));
+      }
+      for (int j = 0; j < 4; j++) finish4(a, m0 + pn * c + m, n0 + 4 * j, _mm_load_ps(t + 4 * j));
+    }
+  }
+}
+
+void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
+  const int64_t blocks = a.N / 16;
+  const int64_t grain = std::max<int64_t>(1, 65536 / 16 / std::max<int64_t>(a.K, 1));
+  static thread_local std::vector<int8_t> xbytes;
+  for (int64_t p0 = 0; p0 < a.M; p0 += 3 * I4_ROWS) {  // up to 21 rows a pass over the weights
+    const int64_t rows = std::min<int64_t>(3 * I4_ROWS, a.M - p0);
+    const int64_t panels = (rows + I4_ROWS - 1) / I4_ROWS;
+    const int c = (int)((rows + panels - 1) / panels);  // 9 rows: panels of 5 and 4, not 7 and 2
+    panel_bytes(a.xq + p0 * a.K, rows, c, a.K, xbytes);
+    const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      configure_tiles_i8_tall(2 * c + 1);
+      for (int64_t b = b0; b < b1; b++) {
+        if (panels == 1) amx_i8_tall_block<1>(a, xb, c, p0, 16 * b);
+        else if (panels == 2) amx_i8_tall_block<2>(a, xb, c, p0, 16 * b);
+        else amx_i8_tall_block<3>(a, xb, c, p0, 16 * b);
+      }
+      _tile_release();
+    });
+  }
+}
 #pragma GCC pop_options
 #else
 void run_amx(const Lin&) {}  // never called: amx_usable() is false
-void run_amx_i8(const Lin&) {}
 void run_amx_i4(const Lin&) {}
+void run_amx_i8_tall(const Lin&) {}
 #endif
 
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
@@ -1337,9 +1240,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   at::Tensor out = at::empty({M, N}, x.options());
   a.out = out.data_ptr();
   if (M == 0) return out;
-  const bool amx_i8 = level == AMX && wt == W_I8 && K <= 65536;  // int8 on AMX: the integer path, any x dtype
-  const bool amx_i4 = wt == W_I4 && a.rshift == 4;                // int4 in tall blocks: likewise
+  // int8 and int4 in tall blocks (pack made them on an AMX CPU): the integer tiles, x rounded to 16 bits, any x dtype
+  const bool amx_i8 = wt == W_I8 && a.rshift == 4, amx_i4 = wt == W_I4 && a.rshift == 4;
   TORCH_CHECK(!amx_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
+  TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
   at::Tensor xb;
   if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8 && !amx_i4) {  // BF16 dot products
     xb = x.contiguous();
@@ -1349,8 +1253,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     }
     a.xb = (const uint16_t*)xb.data_ptr();
     // bf16 weights, every M, through the tiles (they sum in another order than the vector dot products). int8 and
-    // int4 (tall blocks) take the integer tiles (run_amx_i8, run_amx_i4); int4 dequantized to bf16 and stored for
-    // the bf16 tiles had cost one row 2.5x the vectors' time (42 -> 104 us, 1536 x 576), 5 rows about the same
+    // int4 in tall blocks take the integer tiles (run_amx_i8_tall, run_amx_i4), in 4-row blocks (shapes the tiles'
+    // layouts do not take) these vectors; int4 dequantized to bf16 and stored for the bf16 tiles had cost one row
+    // 2.5x the vectors' time (42 -> 104 us, 1536 x 576), 5 rows about the same
     if (level == AMX && wt == W_BF16) {
       run_amx(a);
       return out;
@@ -1378,7 +1283,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data());
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data());
     a.xq = xq, a.xs = xs.data();
-    if (amx_i8) run_amx_i8(a);
+    if (amx_i8) run_amx_i8_tall(a);
     else if (amx_i4) run_amx_i4(a);
     else run_linear<KernelI8>(a, KernelI8::MAX_MB);
     return out;
@@ -1780,14 +1685,17 @@ def can_pack(weight: Tensor) -> bool:
 
 
 def pack(weight: Tensor) -> Tensor:
-    """(N, K) -> (N/R, K/32, R, 32): blocks of R = 4 rows (16 for int8 on AMX: block_rows) x 32 columns, a block's
-    rows one after another (int4 nibbles (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block; on AMX (N/16, K/64,
-    16, 32), each block two B tiles in one: _int4_tiles). The same numbers, re-laid so that the kernel reads each
-    block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
+    """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
+    (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); int8 and int4 on AMX (block_rows 16) as the int8 tiles' B
+    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_int8_tiles, _int4_tiles). The same numbers, re-laid so
+    that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages
+    (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
     if weight.dtype == torch.uint8 and R == 16:
         blocks = _int4_tiles(weight.detach())
+    elif R == 16:
+        blocks = _int8_tiles(weight.detach())
     else:
         blocks = weight.detach().reshape(N // R, R, width // C, C).transpose(1, 2)
     packed = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
@@ -1819,12 +1727,12 @@ def on_huge_pages(t: Tensor) -> bool:
 
 
 def block_rows(weight: Tensor) -> int:
-    """Rows of pack()'s blocks where the AMX build runs: 16 for int8 weights (a block is one int8 tile, 16 rows x
-    32 columns: the tiles then do a quarter of the products a 4-row block needs) and for int4 ones (two B tiles of
-    16 weight rows); else 4."""
+    """Rows of pack()'s blocks: 16 for int8 and int4 weights where the AMX build runs (N % 16 == 0, K % 64 == 0: a
+    block is the int8 tiles' B operand, _int8_tiles / _int4_tiles); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
-    tall = weight.dtype in (torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536
+    tall = (weight.dtype in (torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536
+            and K % 64 == 0)
     return 16 if tall and load() and isa() == "amx" else 4
 
 
@@ -1838,6 +1746,14 @@ def _int4_tiles(nibbles: Tensor) -> Tensor:
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N // 16, -1, 16, 32)
 
 
+def _int8_tiles(weight: Tensor) -> Tensor:
+    """int8 (N, K) -> (N/16, K/32, 16, 32): for each 16 rows and 64 columns, 1 KB laid out as (16 quads, 16 rows, 4
+    columns), byte (r, n, j) column 4r + j of row n: an int8 B tile (VNNI order)."""
+    N, K = weight.shape
+    q = weight.reshape(N // 16, 16, K // 64, 16, 4).permute(0, 2, 3, 1, 4)  # (blk, kp, r, n, j)
+    return q.reshape(N // 16, K // 32, 16, 32)
+
+
 def unpack(packed: Tensor) -> Tensor:
     """The inverse of pack()."""
     B, KB, R, C = packed.shape
@@ -1845,16 +1761,20 @@ def unpack(packed: Tensor) -> Tensor:
         v = packed.reshape(B, KB, 1, 8, 16, 4)
         q = torch.cat([v & 15, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(16 * B, 64 * KB)  # (blk, n, kp, half, r, j)
         return q[:, 0::2] | (q[:, 1::2] << 4)
+    if R == 16:  # _int8_tiles
+        return packed.reshape(B, KB // 2, 16, 16, 4).permute(0, 3, 1, 2, 4).reshape(16 * B, 32 * KB)
     return packed.transpose(1, 2).reshape(R * B, KB * C)
 
 
 def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
     """Rows idx of a packed weight, (*idx.shape, K): an embedding lookup in a tied, packed table."""
-    R = packed.shape[2]
-    if packed.dtype == torch.uint8 and R == 16:  # the blocks that hold them, unpacked
-        flat = idx.reshape(-1)
-        rows = unpack(packed[flat // R]).view(flat.numel(), R, -1)[torch.arange(flat.numel()), flat % R]
-        return rows.view(*idx.shape, -1)
+    B, KB, R, C = packed.shape
+    if R == 16 and packed.dtype == torch.uint8:  # _int4_tiles: (..., K/64, 8 quads, 4) bytes, two nibbles each
+        v = packed.view(B, KB, 8, 16, 4)[idx // 16, :, :, idx % 16, :].flatten(-2)  # (..., K/64, 32)
+        q = torch.cat([v & 15, v >> 4], dim=-1).flatten(-2)  # (..., K) values in column order
+        return q[..., 0::2] | (q[..., 1::2] << 4)
+    if R == 16:  # _int8_tiles
+        return packed.view(B, KB // 2, 16, 16, 4)[idx // 16, :, :, idx % 16, :].flatten(-3)
     return packed[idx // R, :, idx % R].flatten(-2)
 
 
@@ -1940,8 +1860,8 @@ def rows16(x: Tensor) -> tuple[Tensor, Tensor]:
 def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
                      offsets: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
-    AVX2 and AMX builds, and int4 ones on AMX (tall blocks), see x rounded to 16 bits a row (round_rows16)."""
-    int16_rows = scales is not None and (offsets is None and isa() in ("avx2", "amx") or packed.shape[2] == 16)
+    AVX2 build, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row (round_rows16)."""
+    int16_rows = scales is not None and (offsets is None and isa() == "avx2" or packed.shape[2] == 16)
     y = F.linear(round_rows16(x) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     return (y if bias is None else y + bias.float()).to(x.dtype)
 

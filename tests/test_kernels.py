@@ -81,10 +81,10 @@ def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
-    """The AMX build multiplies int8 weights by x rounded to 16-bit integers a row (1-2 rows by vector integer dot
-    products, more by the int8 tiles, a high and a low byte): each output is the exact integer dot product rounded to
-    fp32 once, times the row's and the weight row's scales, whatever M is (either path, one panel of up to 16 rows,
-    several, several 64-row passes), at the largest products, with a row of zeros and rows holding a NaN or an inf."""
+    """The AMX build multiplies int8 weights (tall blocks) by x rounded to 16-bit integers a row, by the int8 tiles (a
+    high and a low byte and a row of ones a panel): each output is the exact integer dot product rounded to fp32 once,
+    times the row's and the weight row's scales, whatever M is (one panel of up to 7 rows, two, three, several
+    21-row passes), at the largest products, with a row of zeros and rows holding a NaN or an inf."""
     if kernels.isa() != "amx":
         pytest.skip("the AMX build's int8 path (a Xeon with AMX tiles)")
     g = torch.Generator().manual_seed(3)
@@ -99,7 +99,7 @@ def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
     ints, row_scales = kernels.rows16(x)
     ref = ((ints.double() @ q.double().T).float() * row_scales * scales).to(dtype)
     packed = kernels.pack(q)
-    for M in (1, 2, 3, 4, 5, 16, 17, 70):
+    for M in (1, 2, 3, 5, 7, 8, 15, 16, 17, 21, 22, 70):
         y = kernels.linear(x[:M], packed, None, scales)
         assert torch.equal(y.isnan(), ref[:M].isnan()), M
         assert torch.equal(y[~y.isnan()], ref[:M][~y.isnan()]), M
@@ -107,24 +107,28 @@ def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
     assert torch.equal(y[2], torch.zeros(N, dtype=dtype)) and y[3].isnan().all() and y[4].isnan().all()
 
 
-def test_int8_tall_blocks_on_amx():
-    """On AMX, pack() lays int8 weights out in blocks of 16 rows (one A tile; block_rows), which unpack() and
-    packed_rows() read back; a weight of N % 16 != 0 keeps 4-row blocks; both layouts give the same outputs bit for
-    bit at every M (either way the exact integer sums), and tall blocks of another dtype are one clear error."""
+def test_int8_tiles_layout_on_amx():
+    """On AMX, pack() lays int8 weights out as the int8 tiles' B operand (16 rows x 64 columns in 1 KB, VNNI order;
+    block_rows, _int8_tiles), which unpack() and packed_rows() read back; N % 16 != 0 or K % 64 != 0 keep 4-row
+    blocks, which the vector path takes (x not rounded: the reference's float sums); tall blocks of another dtype
+    are one clear error."""
     if kernels.isa() != "amx":
-        pytest.skip("tall int8 blocks are the AMX build's")
+        pytest.skip("the int8 tile layout is the AMX build's")
     g = torch.Generator().manual_seed(4)
     q = torch.randint(-128, 128, (48, 320), generator=g, dtype=torch.int8)
     scales = torch.rand(48, generator=g) / 127
     tall = kernels.pack(q)
     assert tall.shape == (3, 10, 16, 32) and torch.equal(kernels.unpack(tall), q)
+    tiles = tall.view(3, 5, 16, 16, 4)  # (block, 64 columns, quad r, row n, j)
+    for blk, kp, r, n, j in [(0, 0, 0, 0, 0), (1, 2, 3, 5, 1), (2, 4, 15, 15, 3), (1, 4, 6, 0, 2)]:
+        assert tiles[blk, kp, r, n, j].item() == q[16 * blk + n, 64 * kp + 4 * r + j].item()
     idx = torch.tensor([[0, 15, 16], [47, 33, 2]])
     assert torch.equal(kernels.packed_rows(tall, idx), q[idx])
-    assert kernels.pack(q[:44]).shape == (11, 10, 4, 32)
-    short = q.reshape(12, 4, 10, 32).transpose(1, 2).contiguous()  # the 4-row layout of the same weight
+    assert kernels.pack(q[:44]).shape == (11, 10, 4, 32) and kernels.pack(q[:, :288]).shape == (12, 9, 4, 32)
     x = torch.randn(17, 320, generator=g).bfloat16()
-    for M in (1, 2, 3, 5, 16, 17):
-        assert torch.equal(kernels.linear(x[:M], tall, None, scales), kernels.linear(x[:M], short, None, scales)), M
+    short = kernels.pack(q[:44])
+    ref = kernels.linear_reference(x, short, None, scales[:44])  # float x: no rounding to 16 bits
+    assert torch.allclose(kernels.linear(x, short, None, scales[:44]).float(), ref.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="tall blocks"):
         kernels.linear(x, torch.zeros(3, 10, 16, 32, dtype=torch.bfloat16))
 
