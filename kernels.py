@@ -48,8 +48,8 @@ MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify st
 # What the ops return (shapes, strides, dtypes): compiled graphs check it, so generate.py's compile cache is kept per
 # version, and a change to an op's output must bump it (a graph cached before the attention's output became
 # (B, T, H, D)-strided failed its stride assertion; 3: the linear of tall int8 blocks, N = 16 x blocks; their
-# layout changed since, not what the op returns)
-OPS_VERSION = 3
+# layout changed since, not what the op returns; 4: their row lookup became an op, tile_rows)
+OPS_VERSION = 4
 
 CPP = r"""
 #include <torch/library.h>
@@ -1551,7 +1551,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   // a KV head's query heads together (one pass over V for all) once there is an item per thread: the default model's
   // one-token step on 2 threads, 3 items of 3 heads 8.6 us a layer against 9 of one head 10.5 (AMX Xeon)
   int64_t R = 1;
-  if (B * n_kv * T >= at::get_num_threads()) R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+  if (B * n_kv * T >= 4 * at::get_num_threads()) R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
   at::parallel_for(0, B * H * T / R, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(R * (S + 4));  // scores are written four at a time
     std::vector<int64_t> slots(S);
@@ -1611,6 +1611,29 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+// Rows idx of int8 weights in tall blocks (_int8_tiles), (*idx.shape, K): the tied int8 embedding's lookup. An op of
+// its own: Inductor's code for the same gather as tensor indexing (packed_rows) read some wrong rows inside EAGLE's
+// compiled cycle (greedy EAGLE parted from plain decoding on 3 of 20 prompts), where it was right on its own
+at::Tensor tile_rows(const at::Tensor& w, const at::Tensor& idx) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 32 && w.scalar_type() == at::kChar && w.is_contiguous() &&
+              w.size(1) % 2 == 0, "eagle_fast::tile_rows: an int8 weight in tall blocks");
+  const int64_t N = 16 * w.size(0), K = 32 * w.size(1), KP = K / 64;
+  const at::Tensor ic = idx.to(at::kLong).contiguous();
+  std::vector<int64_t> shape(idx.sizes().begin(), idx.sizes().end());
+  shape.push_back(K);
+  at::Tensor out = at::empty(shape, w.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  int8_t* op = out.data_ptr<int8_t>();
+  for (int64_t i = 0; i < ic.numel(); i++) {
+    const int64_t row = ip[i] < 0 ? ip[i] + N : ip[i];
+    TORCH_CHECK(row >= 0 && row < N, "eagle_fast::tile_rows: index ", ip[i], " out of range for ", N, " rows");
+    const int8_t* src = wp + (row / 16) * KP * 1024 + (row % 16) * 4;  // (block, 64 columns, quad, row, 4)
+    for (int64_t q = 0; q < KP * 16; q++) std::memcpy(op + i * K + 4 * q, src + (q / 16) * 1024 + (q % 16) * 64, 4);
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t cpu_isa() { return isa(); }
@@ -1618,11 +1641,13 @@ int64_t cpu_isa() { return isa(); }
 TORCH_LIBRARY(eagle_fast, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? offsets, Tensor? bias) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
+  m.def("tile_rows(Tensor w, Tensor idx) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_fast, CPU, m) {
   m.impl("linear", &linear);
   m.impl("attention", &attention);
+  m.impl("tile_rows", &tile_rows);
 }
 """
 
@@ -1659,6 +1684,10 @@ def load() -> bool:
     @torch.library.register_fake("eagle_fast::linear")
     def _(x, w, scales, offsets, bias):
         return x.new_empty(x.shape[0], w.shape[2] * w.shape[0])  # blocks of 4 rows, or 16 (block_rows)
+
+    @torch.library.register_fake("eagle_fast::tile_rows")
+    def _(w, idx):
+        return w.new_empty(*idx.shape, 32 * w.shape[1])
 
     @torch.library.register_fake("eagle_fast::attention")
     def _(q, k, v, mask):  # (B, H, T, D) laid out as (B, T, H, D), like the kernel's output
@@ -1773,8 +1802,8 @@ def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
         v = packed.view(B, KB, 8, 16, 4)[idx // 16, :, :, idx % 16, :].flatten(-2)  # (..., K/64, 32)
         q = torch.cat([v & 15, v >> 4], dim=-1).flatten(-2)  # (..., K) values in column order
         return q[..., 0::2] | (q[..., 1::2] << 4)
-    if R == 16:  # _int8_tiles
-        return packed.view(B, KB // 2, 16, 16, 4)[idx // 16, :, :, idx % 16, :].flatten(-3)
+    if R == 16:  # _int8_tiles, by an op (see tile_rows in the C++)
+        return torch.ops.eagle_fast.tile_rows(packed, idx)
     return packed[idx // R, :, idx % R].flatten(-2)
 
 

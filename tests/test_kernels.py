@@ -122,8 +122,10 @@ def test_int8_tiles_layout_on_amx():
     tiles = tall.view(3, 5, 16, 16, 4)  # (block, 64 columns, quad r, row n, j)
     for blk, kp, r, n, j in [(0, 0, 0, 0, 0), (1, 2, 3, 5, 1), (2, 4, 15, 15, 3), (1, 4, 6, 0, 2)]:
         assert tiles[blk, kp, r, n, j].item() == q[16 * blk + n, 64 * kp + 4 * r + j].item()
-    idx = torch.tensor([[0, 15, 16], [47, 33, 2]])
+    idx = torch.tensor([[0, 15, 16], [47, 33, -1]])  # an op (tile_rows), as torch indexing wraps -1
     assert torch.equal(kernels.packed_rows(tall, idx), q[idx])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.packed_rows(tall, torch.tensor([48]))
     assert kernels.pack(q[:44]).shape == (11, 10, 4, 32) and kernels.pack(q[:, :288]).shape == (12, 9, 4, 32)
     x = torch.randn(17, 320, generator=g).bfloat16()
     short = kernels.pack(q[:44])
