@@ -507,6 +507,18 @@ void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector
   for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * (2 * c + 1) + 2 * c) * K, 1, K);
 }
 
+// the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
+// the high ones for an odd kb; the bytes 16 KB on are asked for at the first of the two
+inline void int4_b_tile(const char* p, int64_t kb, uint8_t* dst) {
+  if (!(kb & 1))
+    for (int l = 0; l < 8; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
+  for (int l = 0; l < 8; l++) {
+    __m512i v = _mm512_loadu_si512(p + 64 * l);
+    if (kb & 1) v = _mm512_srli_epi16(v, 4);
+    _mm512_store_si512(dst + 64 * l, _mm512_and_si512(v, _mm512_set1_epi8(15)));
+  }
+}
+
 // one weight block (16 rows from n0) x the C activation rows m0.. of one panel (xb: its 2C + 1 rows of bytes, xsum:
 // its group sums), the sums in registers; rows past M are zeros, computed and thrown away. Two groups at a time,
 // each with its own A, B and C tiles: a group's chain (B's bytes stored, loaded, multiplied, the sums stored and
@@ -520,20 +532,12 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
   __m512 acc[C];
   for (int m = 0; m < C; m++) acc[m] = _mm512_setzero_ps();
   const __m512i rowsx = _mm512_mullo_epi32(_mm512_set1_epi32((int)a.groups), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __m512i nib = _mm512_set1_epi8(15);
   for (int64_t g0 = 0; g0 < a.groups; g0 += 2) {
     const int J = a.groups - g0 >= 2 ? 2 : 1;
     for (int j = 0; j < J; j++)
       for (int64_t s = 0; s < per; s++) {
         const int64_t kb = (g0 + j) * per + s;
-        const char* p = w + kb / 2 * 512;
-        if (!(kb & 1))
-          for (int l = 0; l < 8; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
-        for (int l = 0; l < 8; l++) {
-          __m512i v = _mm512_loadu_si512(p + 64 * l);
-          if (kb & 1) v = _mm512_srli_epi16(v, 4);
-          _mm512_store_si512(bt[j][s] + 64 * l, _mm512_and_si512(v, nib));
-        }
+        int4_b_tile(w + kb / 2 * 512, kb, bt[j][s]);
       }
     _tile_zero(4);
     if (J == 2) _tile_zero(5);
@@ -600,19 +604,11 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
   alignas(64) int32_t c[2][16][16];
   std::memset(acc, 0, a.M * NB * 16 * sizeof(float));
   const __m512i rowsx = _mm512_mullo_epi32(_mm512_set1_epi32((int)a.groups), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __m512i nib = _mm512_set1_epi8(15);
   for (int64_t g = 0; g < a.groups; g++) {
     for (int b = 0; b < NB; b++)
       for (int64_t s = 0; s < per; s++) {
         const int64_t kb = g * per + s;
-        const char* p = a.w + ((n0 / 16 + b) * (KB / 2) + kb / 2) * 512;
-        if (!(kb & 1))
-          for (int l = 0; l < 8; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
-        for (int l = 0; l < 8; l++) {
-          __m512i v = _mm512_loadu_si512(p + 64 * l);
-          if (kb & 1) v = _mm512_srli_epi16(v, 4);
-          _mm512_store_si512(bt[b][s] + 64 * l, _mm512_and_si512(v, nib));
-        }
+        int4_b_tile(a.w + ((n0 / 16 + b) * (KB / 2) + kb / 2) * 512, kb, bt[b][s]);
       }
     __m512 sc[NB], of[NB];
     for (int b = 0; b < NB; b++) {
