@@ -127,13 +127,12 @@ struct Lin {
   bool out_bf16;
   int64_t n_base = 0;      // the first row of the weights at w (a dequantized block's buffer starts at its block)
   int64_t ahead_lines = 0; // cache lines of the weight stream one 32-column step reads, prefetched ahead (0: none)
-  int rshift = 2;          // log2 of a block's rows: 4, or 16 for int8 on AMX (pack's tall blocks, one A tile)
   const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
     n -= n_base;
     if (offsets) {  // int4: blocks of 64 columns, 16 bytes for each 32
       return w + (((n >> 2) * (K >> 6) + (kb >> 1)) * 4 + (n & 3)) * block_bytes + (kb & 1) * 16;
     }
-    return w + ((((n >> rshift) * (K >> 5) + kb) << rshift) + (n & ((1 << rshift) - 1))) * block_bytes;
+    return w + (((n >> 2) * (K >> 5) + kb) * 4 + (n & 3)) * block_bytes;
   }
 };
 
@@ -481,7 +480,7 @@ void run_amx(const Lin& a) {
 // sum * scale + offset * (the group's sum of x) in fp32, in group order, the same instructions whatever M is.
 // (The high and low bytes as two tiles cost twice the products and the stores, and the stores, ~20 cycles each
 // whatever the rows, were the bound: 30 layers' linears at one row 4.8 ms, 3.7 with one tile.)
-constexpr int I4_ROWS = 7;  // activation rows a panel: 2 x 7 + 1 = 15 tile rows
+constexpr int PANEL_ROWS = 7;  // activation rows a panel (int4, int8): 2 x 7 + 1 = 15 tile rows
 
 inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c + 1
   TileConfig c;
@@ -690,8 +689,8 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     p.M = std::min<int64_t>(64, a.M - p0);
     p.xs = a.xs + p0;
     p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
-    const bool wide = p.M > I4_ROWS;
-    const int64_t panels = (p.M + (wide ? 15 : I4_ROWS)) / (wide ? 16 : I4_ROWS);
+    const bool wide = p.M > PANEL_ROWS;
+    const int64_t most = wide ? 16 : PANEL_ROWS, panels = (p.M + most - 1) / most;
     const int c = (int)((p.M + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
     if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xbytes, xlow);
     else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, xbytes);
@@ -789,9 +788,9 @@ void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
   const int64_t blocks = a.N / 16;
   const int64_t grain = std::max<int64_t>(1, 65536 / 16 / std::max<int64_t>(a.K, 1));
   static thread_local std::vector<int8_t> xbytes;
-  for (int64_t p0 = 0; p0 < a.M; p0 += 3 * I4_ROWS) {  // up to 21 rows a pass over the weights
-    const int64_t rows = std::min<int64_t>(3 * I4_ROWS, a.M - p0);
-    const int64_t panels = (rows + I4_ROWS - 1) / I4_ROWS;
+  for (int64_t p0 = 0; p0 < a.M; p0 += 3 * PANEL_ROWS) {  // up to 21 rows a pass over the weights
+    const int64_t rows = std::min<int64_t>(3 * PANEL_ROWS, a.M - p0);
+    const int64_t panels = (rows + PANEL_ROWS - 1) / PANEL_ROWS;
     const int c = (int)((rows + panels - 1) / panels);  // 9 rows: panels of 5 and 4, not 7 and 2
     panel_bytes(a.xq + p0 * a.K, rows, c, a.K, xbytes);
     const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
@@ -1206,7 +1205,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
               "eagle_fast::linear: tall blocks (16 rows) are for int8 and int4 weights on AMX CPUs (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
-  a.rshift = w.size(2) == 16 ? 4 : 2;
   at::Tensor sc, of, bs;
   if (scales) {
     TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32");
@@ -1237,7 +1235,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.out = out.data_ptr();
   if (M == 0) return out;
   // int8 and int4 in tall blocks (pack made them on an AMX CPU): the integer tiles, x rounded to 16 bits, any x dtype
-  const bool amx_i8 = wt == W_I8 && a.rshift == 4, amx_i4 = wt == W_I4 && a.rshift == 4;
+  const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall, amx_i4 = wt == W_I4 && tall;
   TORCH_CHECK(!amx_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
   at::Tensor xb;
@@ -1269,7 +1267,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
-  if (((level < AVX512 || amx_i8) && wt == W_I8) || amx_i4) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
+  if ((level < AVX512 && wt == W_I8) || amx_i8 || amx_i4) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
     // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
@@ -1544,8 +1542,6 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const E* vp = (const E*)v.data_ptr();
   const bool* mp = mask.data_ptr<bool>();
   E* op = (E*)out.data_ptr();
-  // a KV head's query heads together (one pass over V for all) once there is an item per thread: the default model's
-  // one-token step on 2 threads, 3 items of 3 heads 8.6 us a layer against 9 of one head 10.5 (AMX Xeon)
   int64_t R = 1;
   if (B * n_kv * T >= 4 * at::get_num_threads()) R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
   at::parallel_for(0, B * H * T / R, 1, [&](int64_t i0, int64_t i1) {
