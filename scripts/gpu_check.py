@@ -77,7 +77,10 @@ class Graphed:
         if self.device.type != "cuda":
             return self.fn(*args, **kwargs)
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        key = (tuple((i, args[i].shape, args[i].dtype) for i in tensors), tuple(sorted(kwargs.items())))
+        # one graph per input shape AND per non-tensor argument (the model, the drafter): a graph captured with one
+        # drafter replays that drafter's kernels whatever object is passed later
+        key = (tuple((i, args[i].shape, args[i].dtype) for i in tensors),
+               tuple(id(a) for a in args if not isinstance(a, torch.Tensor)), tuple(sorted(kwargs.items())))
         if key not in self.graphs:
             static = list(args)
             for i in tensors:
@@ -211,17 +214,57 @@ def eagle_at_acceptance(model, device, prompt_len, new_tokens, depth, ps):
     return plain_tps, rows
 
 
-def run_tests(device):
+def cycle_cost(model, device, prompt_len, new_tokens, trees):
+    """ms of one EAGLE cycle (draft with a random head + verify + accept) for each tree, against one plain step:
+    the break-even τ is their ratio (speed-up = τ x plain step / cycle). A random head is almost never right,
+    so nearly every cycle commits one token and the time per cycle is the time per target forward."""
+    prompt = torch.randint(0, 100, (prompt_len,), device=device, dtype=torch.int)
+    saved = gen.decode_one_token, gen.eagle_cycle
+    gen.decode_one_token, gen.eagle_cycle = Graphed(gen.decode_one_token, device), Graphed(gen.eagle_cycle, device)
+    head, rows = random_head(model), []
+    try:
+        model.setup_caches(1, prompt_len + new_tokens + 40)
+        gen.generate(model, prompt, 8, temperature=0)
+        t0 = time.perf_counter()
+        gen.generate(model, prompt, new_tokens, temperature=0)
+        sync(device)
+        step_ms = (time.perf_counter() - t0) * 1e3 / new_tokens
+        for name, tree in trees.items():
+            drafter = gen.Drafter(head, tree["kind"], depth=tree["depth"], top_k=tree.get("top_k", 1),
+                                  total_tokens=tree.get("total_tokens", tree["depth"]))
+            gen.generate(model, prompt, 8, temperature=0, draft=drafter)
+            t0 = time.perf_counter()
+            _, stats = gen.generate(model, prompt, new_tokens, temperature=0, draft=drafter)
+            sync(device)
+            ms = (time.perf_counter() - t0) * 1e3 / stats["target_forwards"]
+            rows.append({"tree": name, "cycle_ms": round(ms, 3), "break_even_tau": round(ms / step_ms, 3)})
+    finally:
+        gen.decode_one_token, gen.eagle_cycle = saved
+    return round(step_ms, 3), rows
+
+
+CYCLE_TREES = {"chain 4": dict(kind="chain", depth=4),
+               "tree 4 nodes (depth 3, top 2)": dict(kind="dynamic", depth=3, top_k=2, total_tokens=4),
+               "tree 8 nodes (depth 4, top 3)": dict(kind="dynamic", depth=4, top_k=3, total_tokens=8)}
+
+
+def run_tests(device, timeout=240):
     files = ["tests/test_generate.py", "tests/test_eagle.py", "tests/test_quantize.py"]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-k", "cuda", *files], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    return {"returncode": r.returncode, "summary": (r.stdout.strip().splitlines() or [""])[-1]}
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-k", "cuda", *files], cwd=ROOT,
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"returncode": None, "summary": f"timed out after {timeout} s"}
+    lines = (r.stdout + r.stderr).strip().splitlines() or [""]
+    return {"returncode": r.returncode, "summary": lines[-1], "tail": lines[-40:] if r.returncode else []}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU test); default Llama-2-7B's")
+    p.add_argument("--small", default="smollm2-135m", help="a second, small shape: bf16 decoding, verify cost and "
+                   "cycle cost only (launch-bound on a GPU: what CUDA graphs are for); 'none' skips it")
     p.add_argument("--no_tests", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default: gpu_check.json)")
     p.add_argument("--doc", type=Path, default=None, help="markdown report (default on CUDA: docs/gpu.md)")
@@ -235,11 +278,19 @@ def main(argv=None):
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                "torch": torch.__version__, "shape": "tiny" if args.tiny else "llama-2-7b"}
     t_start = time.perf_counter()
-    if not args.no_tests and device.type == "cuda":
-        results["tests"] = run_tests(device)
+    out = args.out or ROOT / "gpu_check.json"
+    doc = args.doc or (ROOT / "docs" / "gpu.md" if device.type == "cuda" else None)
+
+    def save():  # after every stage: a run cut short still leaves what it measured
+        results["seconds"] = round(time.perf_counter() - t_start, 1)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        if doc:
+            write_doc(results, doc)
+        print(json.dumps(results), flush=True)
+
     bw = copy_bandwidth(device, 1 << (24 if args.tiny else 31))
     results["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
-    decode = {}
+    results["decode"] = decode = {}
     for quant in (None, "int4"):
         model = random_model(shape, device, torch.bfloat16, quant)
         weight_bytes = gen.model_size_bytes(model)
@@ -248,28 +299,40 @@ def main(argv=None):
         decode[quant or "bf16"] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1),
                                    "weights_GB": round(weight_bytes / 1e9, 2), "floor_ms": round(floor_ms, 3),
                                    "fraction_of_floor": round(floor_ms / ms, 3)}
+        save()
         if quant is None:
             sizes = [1, 2, 4, 8, 16, 32, 64]
             curve = verify_curve(model, device, prefix, sizes)
             results["verify_cost"] = {T: {"ms": round(v, 3), "vs_T1": round(v / curve[1], 3)} for T, v in curve.items()}
+            save()
             plain_tps, rows = eagle_at_acceptance(model, device, prefix, 24 if args.tiny else 96, depth=4,
                                                   ps=[0.0, 0.2, 0.4, 0.7])
             results["eagle_oracle"] = {"depth": 4, "plain_tokens_per_s": round(plain_tps, 1), "rows": rows}
+            save()
+            step_ms, rows = cycle_cost(model, device, prefix, 16 if args.tiny else 48, CYCLE_TREES)
+            results["cycle_cost"] = {"plain_step_ms": step_ms, "rows": rows}
+            save()
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    results["decode"] = decode
-    results["seconds"] = round(time.perf_counter() - t_start, 1)
-    out = args.out or ROOT / "gpu_check.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    doc = args.doc or (ROOT / "docs" / "gpu.md" if device.type == "cuda" else None)
-    if doc:
-        write_doc(results, doc)
-    print(json.dumps(results, indent=2))
+    if args.small != "none" and not args.tiny:
+        model = random_model(ModelArgs.from_name(args.small), device, torch.bfloat16)
+        ms = decode_speed(model, device, prefix, steps)
+        curve = verify_curve(model, device, prefix, [1, 4, 8, 16])
+        step_ms, rows = cycle_cost(model, device, prefix, 48, CYCLE_TREES)
+        results["small"] = {"shape": args.small, "ms_per_token": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1),
+                            "verify_vs_T1": {T: round(v / curve[1], 3) for T, v in curve.items()},
+                            "plain_step_ms": step_ms, "cycles": rows}
+        save()
+        del model
+    if not args.no_tests and device.type == "cuda":
+        results["tests"] = run_tests(device)
+        save()
     return 0
 
 
 def write_doc(r, path):
+    """The markdown report of whatever stages have run."""
     lines = [f"# Measured on {r['device']} (scripts/gpu_check.py, torch {r['torch']}, {r['shape']} shape, random "
              f"weights, one run of {r['seconds']} s)", "",
              f"Copy bandwidth: {r['copy_bandwidth_GBps']} GB/s (read + write).", "",
@@ -277,12 +340,24 @@ def write_doc(r, path):
     for k, d in r["decode"].items():
         lines.append(f"| {k} | {d['ms_per_token']} | {d['tokens_per_s']} | {d['weights_GB']} | {d['floor_ms']} | "
                      f"{d['fraction_of_floor']:.0%} |")
-    lines += ["", "| T | " + " | ".join(map(str, r["verify_cost"])) + " |",
-              "|---|" + "---|" * len(r["verify_cost"]),
-              "| verify cost vs T=1 | " + " | ".join(str(v["vs_T1"]) for v in r["verify_cost"].values()) + " |", "",
-              f"EAGLE, oracle chain of {r['eagle_oracle']['depth']} (plain {r['eagle_oracle']['plain_tokens_per_s']} "
-              "tokens/s):", "", "| miss probability | τ | tokens/s | speed-up |", "|---|---|---|---|"]
-    lines += [f"| {x['p_miss']} | {x['tau']} | {x['tokens_per_s']} | {x['speedup']}x |" for x in r["eagle_oracle"]["rows"]]
+    if "verify_cost" in r:
+        lines += ["", "| T | " + " | ".join(map(str, r["verify_cost"])) + " |",
+                  "|---|" + "---|" * len(r["verify_cost"]),
+                  "| verify cost vs T=1 | " + " | ".join(str(v["vs_T1"]) for v in r["verify_cost"].values()) + " |"]
+    if "eagle_oracle" in r:
+        o = r["eagle_oracle"]
+        lines += ["", f"EAGLE, oracle chain of {o['depth']} (plain {o['plain_tokens_per_s']} tokens/s):", "",
+                  "| miss probability | τ | tokens/s | speed-up |", "|---|---|---|---|"]
+        lines += [f"| {x['p_miss']} | {x['tau']} | {x['tokens_per_s']} | {x['speedup']}x |" for x in o["rows"]]
+    for title, c in [(r["shape"], r.get("cycle_cost")), (r.get("small", {}).get("shape"), r.get("small"))]:
+        if c:
+            lines += ["", f"EAGLE cycle with a random head, {title} (plain step {c['plain_step_ms']} ms):", "",
+                      "| tree | cycle ms | break-even τ |", "|---|---|---|"]
+            lines += [f"| {x['tree']} | {x['cycle_ms']} | {x['break_even_tau']} |" for x in c.get("rows", c.get("cycles"))]
+    if "small" in r:
+        sm = r["small"]
+        lines += ["", f"{sm['shape']}, bf16: {sm['ms_per_token']} ms/token ({sm['tokens_per_s']} tokens/s); verify cost "
+                  "vs T=1: " + ", ".join(f"T={T} {v}" for T, v in sm["verify_vs_T1"].items()) + "."]
     if "tests" in r:
         lines += ["", f"CUDA tests: {r['tests']['summary']} (exit code {r['tests']['returncode']})."]
     path.write_text("\n".join(lines) + "\n")
