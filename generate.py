@@ -295,8 +295,7 @@ def verify_step(model, tree_tokens, parents, L, max_depth: int, feature_layers=(
     if feature_layers:  # EAGLE-3 reads three hidden states side by side
         features = torch.cat(features, dim=-1)
     choices = choose_tokens(logits[0], tree_tokens, parents, **sampling).long()  # (N1,)
-    matches = tree_tokens == choices[parents]
-    matches[0] = True
+    matches = (tree_tokens == choices[parents]) | (torch.arange(N1, device=device) == 0)  # the root always stands
     accepted = matches
     for _ in range(max_depth):
         accepted = matches & accepted[parents]

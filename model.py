@@ -195,7 +195,14 @@ class Transformer(nn.Module):
             mask = self.causal_mask[input_pos]
         freqs_cis = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
         mask = mask[:, None] if mask.dim() == 3 else mask[None, None]  # (1 or B, 1, T, S)
-        if idx.shape[1] > SMALL_T and not torch.compiler.is_compiling():
+        if idx.is_cuda and idx.shape[1] < SMALL_T:
+            # GPU: a batched matmul's rounding depends on its row count (cuBLAS picks its kernel by shape), so a
+            # 5-token verification and a one-token step rounded the same query's scores differently and bf16 greedy
+            # EAGLE drifted from plain decoding. Every small step's attention runs SMALL_T query rows: the mask is
+            # padded here once (padding rows see every slot, so none is all -inf), the queries in small_attention.
+            mask = F.pad(mask, (0, 0, 0, SMALL_T - idx.shape[1]), value=True)
+        if idx.shape[1] > SMALL_T and not torch.compiler.is_compiling() and not (
+                idx.is_cuda and torch.cuda.is_current_stream_capturing()):  # no host sync in a CUDA graph
             # a prefill: no query sees a slot past the last it writes, so attention reads only the cache up to there
             # (a 265-token prompt in a cache of 1,032: SDPA 4x faster). One host sync, in a call that runs once.
             mask = mask[..., :int(input_pos.max()) + 1]
@@ -272,6 +279,8 @@ def small_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     # q: (B, n_head, T, head_dim); k, v: (B, n_kv, S, head_dim); mask: (1, 1, T, S) bool
     B, H, T, D = q.shape
     n_kv, S = k.shape[1], k.shape[2]
+    if mask.shape[-2] > T:  # a mask padded to more rows (CUDA, see Transformer.forward): pad the queries alike
+        return small_attention(F.pad(q, (0, 0, 0, mask.shape[-2] - T)), k, v, mask)[:, :, :T]
     q = q.reshape(B, n_kv, H // n_kv * T, D)  # heads sharing a KV head become extra query rows
     # scores and softmax in fp32 (as SDPA accumulates them): bf16 scores would be off by ~0.05 at |score| ~ 10
     fused = T == 1 and torch.compiler.is_compiling()  # one query: products and sums Inductor fuses, no bmm calls

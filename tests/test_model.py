@@ -162,6 +162,21 @@ def test_small_attention_equals_sdpa_with_any_mask(n_kv):
     torch.testing.assert_close(small_attention(q, k, v, mask[None, None]), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_small_attention_with_a_mask_padded_to_more_rows():
+    """On CUDA every small step's mask is padded to SMALL_T rows (the same cuBLAS kernels for a one-token step and a
+    verification); the queries are padded alike inside and the real rows come back, equal to the unpadded result."""
+    from model import SMALL_T, small_attention
+    torch.manual_seed(0)
+    T, S = 5, 20
+    q, k, v = torch.randn(1, 6, T, 16), torch.randn(1, 2, S, 16), torch.randn(1, 2, S, 16)
+    mask = (torch.rand(T, S) < 0.6)[None, None]
+    mask[..., 0] = True
+    padded = F.pad(mask, (0, 0, 0, SMALL_T - T), value=True)
+    out = small_attention(q, k, v, padded)
+    assert out.shape == q.shape and out.isfinite().all()
+    torch.testing.assert_close(out, small_attention(q, k, v, mask), atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_short_queries_use_the_small_attention_and_agree_with_sdpa(monkeypatch, use_kernel):
     import kernels
