@@ -239,6 +239,29 @@ def test_attention_matches_reference_and_rows_are_independent(heads, kv_heads):
             assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (6, 2), (4, 4)])
+def test_attention_rows_over_a_shared_prefix_equal_each_row_alone(heads, kv_heads):
+    """A verification's rows all see the causal prefix (scored and summed with each K and V piece loaded once for
+    many rows on AVX-512), then their own tree slots: every row bit for bit what it gets alone, where its own prefix
+    is longer (a row alone splits prefix and tail elsewhere), for 1..MAX_M rows and prefixes odd and even."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        for L, T in ((37, 5), (40, 9), (3, kernels.MAX_M), (0, 3)):
+            S = L + T + 8
+            q = torch.randn(1, heads, T, 64, generator=g).to(dtype)
+            k, v = (torch.randn(1, kv_heads, S, 64, generator=g).to(dtype) for _ in range(2))
+            mask = torch.zeros(1, T, S, dtype=torch.bool)
+            mask[..., :L] = True
+            mask[..., L:] = torch.rand(1, T, S - L, generator=g) < 0.5  # each row's own tree slots
+            mask[0, 0, L:L + 6] = True  # one row's prefix runs on past the shared one
+            mask[..., 0] = True
+            y = kernels.attention(q, k, v, mask)
+            ref = kernels.attention_reference(q, k, v, mask)
+            assert (y.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+            for t in range(T):
+                assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1]), (L, T, t)
+
+
 def test_the_compiled_graphs_see_what_the_ops_return():
     """torch.compile plans with the ops' fake kernels: shapes, strides and dtypes must be the real ones (the
     attention writes (B, H, T, D) laid out as (B, T, H, D), a transposed q is read where it lies)."""
