@@ -1,0 +1,64 @@
+"""Time kernels.py's linear op alone on one layer of the default model's shapes (wqkv 960 x 576, wo 576 x 576,
+w1 and w3 1536 x 576, w2 576 x 1536), random weights, times 30 layers.
+
+    python scripts/linear_bench.py [--weights int4|int8|bfloat16] [--rows 1 5 9] [--fuse_gate_up]
+
+--fuse_gate_up: w1 and w3 as one 3072 x 576 weight, one call instead of two (what fusing them would save).
+Prints the median of 7 rounds of 100 layers, in ms for 30 layers.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+
+
+def weight(kind, N, K):
+    """(packed, scales, offsets) of a random N x K weight."""
+    if kind == "int4":
+        return (kernels.pack(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)), torch.rand(N, K // 32) / 15,
+                -torch.rand(N, K // 32))
+    if kind == "int8":
+        return kernels.pack(torch.randint(-127, 128, (N, K), dtype=torch.int8)), torch.rand(N) / 127, None
+    return kernels.pack(torch.randn(N, K).bfloat16() / K ** 0.5), None, None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", default="int4", choices=["int4", "int8", "bfloat16"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
+    p.add_argument("--fuse_gate_up", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    if not kernels.load():
+        sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    shapes = [(960, 576), (576, 576)] + ([(3072, 576)] if args.fuse_gate_up else [(1536, 576)] * 2) + [(576, 1536)]
+    layer = [(weight(args.weights, N, K), K) for N, K in shapes]
+    out = []
+    for M in args.rows:
+        xs = [torch.randn(M, K).bfloat16() for _, K in layer]
+
+        def run():
+            for ((w, sc, of), _), x in zip(layer, xs):
+                kernels.linear(x, w, None, sc, of)
+        for _ in range(20):
+            run()
+        rounds = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                run()
+            rounds.append((time.perf_counter() - t0) / 100 * 30 * 1e3)
+        out.append(f"M={M} {sorted(rounds)[3]:.2f} ms")
+    print(f"{kernels.isa()}, {args.threads} threads, {args.weights}{', w1+w3 fused' if args.fuse_gate_up else ''}, "
+          "30 layers: " + ", ".join(out))
+
+
+if __name__ == "__main__":
+    main()
