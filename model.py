@@ -195,12 +195,10 @@ class Transformer(nn.Module):
             mask = self.causal_mask[input_pos]
         freqs_cis = self.freqs_cis[input_pos if rope_pos is None else rope_pos]
         mask = mask[:, None] if mask.dim() == 3 else mask[None, None]  # (1 or B, 1, T, S)
-        if idx.is_cuda and idx.shape[1] < SMALL_T:
-            # GPU: a batched matmul's rounding depends on its row count (cuBLAS picks its kernel by shape), so a
-            # 5-token verification and a one-token step rounded the same query's scores differently and bf16 greedy
-            # EAGLE drifted from plain decoding. Every small step's attention runs SMALL_T query rows: the mask is
-            # padded here once (padding rows see every slot, so none is all -inf), the queries in small_attention.
-            mask = F.pad(mask, (0, 0, 0, SMALL_T - idx.shape[1]), value=True)
+        if idx.shape[1] < (rows := padded_query_rows(idx.device)):
+            # the mask is padded here once (padding rows see every slot, so none is all -inf), the queries in
+            # small_attention, and the padding rows' outputs dropped there
+            mask = F.pad(mask, (0, 0, 0, rows - idx.shape[1]), value=True)
         if idx.shape[1] > SMALL_T and not torch.compiler.is_compiling() and not (
                 idx.is_cuda and torch.cuda.is_current_stream_capturing()):  # no host sync in a CUDA graph
             # a prefill: no query sees a slot past the last it writes, so attention reads only the cache up to there
@@ -273,6 +271,15 @@ class Attention(nn.Module):
 # 16-24 tokens the two are within 3%, and one implementation for decode and verify keeps their rounding alike.
 # Long queries (prefill) use SDPA.
 SMALL_T = 32
+
+
+def padded_query_rows(device: torch.device) -> int:
+    """Query rows a short step's attention runs on this device (0: as many as it has). On CUDA, SMALL_T: a batched
+    matmul's rounding there depends on its row count (cuBLAS picks its kernel by shape), so a 5-token verification and
+    a one-token step rounded the same query's scores differently and bf16 greedy EAGLE drifted from plain decoding
+    (an H200, docs/gpu.md); padded to one row count, every step runs the same kernels. The CPU paths compute each row
+    the same whatever the count (kernels.py) and need none."""
+    return SMALL_T if device.type == "cuda" else 0
 
 
 def small_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

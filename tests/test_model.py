@@ -177,6 +177,37 @@ def test_small_attention_with_a_mask_padded_to_more_rows():
     torch.testing.assert_close(out, small_attention(q, k, v, mask), atol=1e-6, rtol=1e-6)
 
 
+def test_padded_attention_rows_change_nothing_but_the_kernels(monkeypatch):
+    """CUDA pads every short step's attention to SMALL_T query rows (padded_query_rows); forced on the CPU here, a
+    prefill, one-token steps and a tree verification give what they give unpadded (fp32, the same small_attention)."""
+    import kernels
+    import model as model_module
+    from eagle_head import tree_ancestors, tree_attention_mask
+    monkeypatch.setattr(kernels, "MAX_M", 0)  # the matmul attention, which is what CUDA runs
+    model = make_tiny_model()
+    ids = torch.randint(0, model.config.vocab_size, (1, 24))
+    parents = torch.tensor([0, 0, 0, 1, 2])
+    anc, depth = tree_ancestors(parents, 3)
+    L = torch.tensor([20])
+
+    def run():
+        model.setup_caches(1, 64)
+        with torch.no_grad():
+            out = [model(ids[:, :16], torch.arange(16))]
+            out += [model(ids[:, t:t + 1], torch.tensor([t])) for t in range(16, 20)]
+            out.append(model(ids[:, 19:24], L + torch.arange(5), mask=tree_attention_mask(L, 64, anc), rope_pos=L + depth))
+        return out
+    plain = run()
+    calls = []
+    real = model_module.small_attention
+    monkeypatch.setattr(model_module, "padded_query_rows", lambda device: model_module.SMALL_T)
+    monkeypatch.setattr(model_module, "small_attention", lambda q, k, v, m: calls.append(m.shape[-2]) or real(q, k, v, m))
+    padded = run()
+    assert set(calls) == {model_module.SMALL_T}  # every short step went through padded
+    for a, b in zip(plain, padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_short_queries_use_the_small_attention_and_agree_with_sdpa(monkeypatch, use_kernel):
     import kernels
