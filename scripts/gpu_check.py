@@ -293,6 +293,9 @@ def main(argv=None):
     p.add_argument("--small", default="smollm2-135m", help="a second, small shape: bf16 decoding, verify cost and "
                    "cycle cost only (launch-bound on a GPU: what CUDA graphs are for); 'none' skips it")
     p.add_argument("--no_tests", action="store_true")
+    p.add_argument("--small_t", type=int, default=None,
+                   help="model.SMALL_T: steps up to this many tokens use the matmul attention, and on CUDA every shorter "
+                        "one is padded to it (model.padded_query_rows); default 32. To weigh the padding's cost: 16")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default: gpu_check.json)")
     p.add_argument("--doc", type=Path, default=None, help="markdown report (default on CUDA: gpu_check.md)")
     args = p.parse_args(argv)
@@ -300,10 +303,13 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU here (run with --tiny --device cpu for the CPU version)", file=sys.stderr)
         return 2
+    if args.small_t is not None:
+        import model as model_module
+        model_module.SMALL_T = args.small_t
     shape = SHAPES["tiny" if args.tiny else "llama-2-7b"]
     prefix, steps = (32, 10) if args.tiny else (512, 50)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-               "torch": torch.__version__, "shape": "tiny" if args.tiny else "llama-2-7b"}
+               "torch": torch.__version__, "shape": "tiny" if args.tiny else "llama-2-7b", "small_t": model_small_t()}
     t_start = time.perf_counter()
     out = args.out or ROOT / "gpu_check.json"
     doc = args.doc or (ROOT / "gpu_check.md" if device.type == "cuda" else None)
@@ -372,10 +378,15 @@ def main(argv=None):
     return 0
 
 
+def model_small_t():
+    import model as model_module
+    return model_module.SMALL_T
+
+
 def write_doc(r, path):
     """The markdown report of whatever stages have run."""
     lines = [f"# Measured on {r['device']} (scripts/gpu_check.py, torch {r['torch']}, {r['shape']} shape, random "
-             f"weights, one run of {r['seconds']} s)", "",
+             f"weights, SMALL_T {r.get('small_t', 32)}, one run of {r['seconds']} s)", "",
              f"Copy bandwidth: {r['copy_bandwidth_GBps']} GB/s (read + write).", "",
              "| weights | ms/token | tokens/s | weights GB | floor ms | fraction of floor |", "|---|---|---|---|---|---|"]
     for k, d in r["decode"].items():
