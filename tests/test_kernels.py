@@ -241,9 +241,9 @@ def test_attention_matches_reference_and_rows_are_independent(heads, kv_heads):
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (6, 2), (4, 4)])
 def test_attention_rows_over_a_shared_prefix_equal_each_row_alone(heads, kv_heads):
-    """A verification's rows all see the causal prefix (scored and summed with each K and V piece loaded once for
-    many rows on AVX-512), then their own tree slots: every row bit for bit what it gets alone, where its own prefix
-    is longer (a row alone splits prefix and tail elsewhere), for 1..MAX_M rows and prefixes odd and even."""
+    """A verification's rows all see the causal prefix, then their own tree slots: every row bit for bit what it gets
+    alone (where its own prefix may run longer), for 1..MAX_M rows and prefixes odd and even. Guards any attention
+    that shares work across the rows of a step (one that shared the prefix's K and V loads was tried: docs)."""
     g = torch.Generator().manual_seed(4)
     for dtype in (torch.float32, torch.bfloat16):
         for L, T in ((37, 5), (40, 9), (3, kernels.MAX_M), (0, 3)):
