@@ -309,7 +309,15 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU here (run with --tiny --device cpu for the CPU version)", file=sys.stderr)
         return 2
+    try:
+        small = None if args.small == "none" else ModelArgs.from_name(args.small)
+    except ValueError as e:
+        print(f"error: --small: {e}", file=sys.stderr)
+        return 2
     if args.small_t is not None:
+        if args.small_t < 1:
+            print("error: --small_t must be at least 1", file=sys.stderr)
+            return 2
         model_module.SMALL_T = args.small_t
     shape = SHAPES["tiny" if args.tiny else "llama-2-7b"]
     prefix, steps = (32, 10) if args.tiny else (512, 50)
@@ -361,8 +369,8 @@ def main(argv=None):
         save()
         del model
         torch.cuda.empty_cache()
-    if args.small != "none" and not args.tiny:
-        model = random_model(ModelArgs.from_name(args.small), device, torch.bfloat16)
+    if small is not None and not args.tiny:
+        model = random_model(small, device, torch.bfloat16)
         ms = decode_speed(model, device, prefix, steps)
         curve = verify_curve(model, device, prefix, [1, 4, 8, 16])
         step_ms, rows = cycle_cost(model, device, prefix, 48, CYCLE_TREES)
@@ -372,7 +380,7 @@ def main(argv=None):
         save()
         del model
         # exactness where rounding cannot differ by M as much: fp32 (TF32 off), the oracle at two miss rates
-        model = random_model(ModelArgs.from_name(args.small), device, torch.float32)
+        model = random_model(small, device, torch.float32)
         plain_tps, rows = eagle_at_acceptance(model, device, prefix, 96, depth=4, ps=[0.0, 0.4])
         results["small_fp32_oracle"] = {"plain_tokens_per_s": round(plain_tps, 1), "rows": rows}
         save()
