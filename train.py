@@ -565,10 +565,9 @@ class TrainingTimeTest(nn.Module):
     assistant positions whose target top-1 is in that vocabulary; top-1 agreement is counted over every assistant
     position. A module, so DDP's forward hooks see it."""
 
-    def __init__(self, head: Eagle3Head, steps: int, target_lm_rows: Tensor, in_vocab: Tensor,
-                 label_temperature: float = 1.0):
+    def __init__(self, head: Eagle3Head, steps: int, target_lm_rows: Tensor, in_vocab: Tensor):
         super().__init__()
-        self.head, self.steps, self.label_temperature = head, steps, label_temperature
+        self.head, self.steps = head, steps
         self.register_buffer("target_rows", target_lm_rows, persistent=False)  # (V_d, dim) the target's LM head rows
         self.register_buffer("in_vocab", in_vocab, persistent=False)  # (V,) bool: t2d
 
@@ -601,10 +600,7 @@ class TrainingTimeTest(nn.Module):
             # position t + k is (an assistant token, its top-1 in the draft vocabulary); the rest only feed attention
             b, t = shift(mask, k).nonzero(as_tuple=True)  # (N,) each
             with torch.no_grad():
-                if self.label_temperature > 0:  # the target's distribution, sharpened below 1
-                    p = torch.softmax(target_logits[b, t + k] / self.label_temperature, -1)  # (N, V_d)
-                else:  # its top-1 alone
-                    p = F.one_hot(target_top[b, t + k], target_logits.shape[-1]).float()
+                p = torch.softmax(target_logits[b, t + k], -1)  # (N, V_d)
             logits = self.head.draft_logits(out[b, t]).float()  # (N, V_d)
             n = torch.tensor(float(len(b)), device=tokens.device)
             losses.append(-(p * F.log_softmax(logits, -1)).sum() / n.clamp(min=1))  # fp32: autocast runs a dot in bf16
@@ -656,13 +652,13 @@ def eagle3_setup(target, train_seqs, args):
     return head, ttt_trainer(head, target, args.ttt_steps or 4)
 
 
-def ttt_trainer(head: Eagle3Head, target, steps: int, label_temperature: float = 1.0) -> TrainingTimeTest:
+def ttt_trainer(head: Eagle3Head, target, steps: int) -> TrainingTimeTest:
     """The training-time test of an EAGLE-3 head over its own draft vocabulary (d2t): the target's LM-head rows of
     those tokens and which target ids they are."""
     vocab = target_ids(head)
     in_vocab = torch.zeros(target.config.vocab_size, dtype=torch.bool, device=vocab.device)
     in_vocab[vocab] = True
-    return TrainingTimeTest(head, steps, target.output.weight.detach()[vocab], in_vocab, label_temperature)
+    return TrainingTimeTest(head, steps, target.output.weight.detach()[vocab], in_vocab)
 
 
 def lr_at(step, total, warmup, lr):
@@ -697,8 +693,6 @@ def fit(args):
         die(f"--head_ffn {args.head_ffn}, --head_layers {args.head_layers}: a size must be positive")
     if args.kind == "eagle3" and args.ce_weight is not None:  # EAGLE-3 trains on the token loss alone
         die("--ce_weight weighs the token loss beside EAGLE-1/2's feature regression (--kind eagle)")
-    if args.label_temperature < 0 or (args.kind != "eagle3" and args.label_temperature != 1):
-        die(f"--label_temperature {args.label_temperature}: 0 (the target's top-1) or more, for --kind eagle3")
     args.ce_weight = 0.1 if args.ce_weight is None else args.ce_weight
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     rank, world = 0, 1
@@ -768,7 +762,7 @@ def fit(args):
     # the trainer once the head is final: a started or resumed EAGLE-3 head brings its own vocabulary (d2t), whose
     # target LM-head rows the trainer reads
     if args.kind == "eagle3":
-        trainer = ttt_trainer(head, target, args.ttt_steps or 4, args.label_temperature)
+        trainer = ttt_trainer(head, target, args.ttt_steps or 4)
     else:
         trainer = EagleTTT(head, args.ttt_steps) if (args.ttt_steps or 1) > 1 else head
     model = torch.nn.parallel.DistributedDataParallel(trainer) if distributed else trainer
@@ -827,7 +821,6 @@ def fit(args):
         summary = {"kind": args.kind, "steps": total_steps, "epochs": args.epochs, "train_sequences": len(train_seqs),
                    "train_tokens_per_epoch": sum(len(s[0]) for s in train_seqs),
                    "draft_vocab": args.draft_vocab, "bf16": bool(args.bf16), "ttt_steps": args.ttt_steps,
-                   **({"label_temperature": args.label_temperature} if args.kind == "eagle3" else {}),
                    **({} if args.kind == "eagle3" else {"ce_weight": args.ce_weight}),
                    "seconds_this_run": round(seconds, 1),
                    "tokens_per_s_this_run": round(seen_tokens / max(seconds, 1e-9), 1),
@@ -1020,8 +1013,6 @@ def main(argv=None):
                         "--init_head's deepens it")
     f.add_argument("--ce_weight", type=float, default=None,
                    help="eagle: weight of the token loss beside the feature regression (default EAGLE's 0.1)")
-    f.add_argument("--label_temperature", type=float, default=1.0,
-                   help="eagle3: the target distribution the head learns, softmax(logits / T); 0: its top-1 alone")
     f.add_argument("--draft_vocab", type=int, default=8192,
                    help="train over the N most frequent assistant tokens (the draft vocabulary; 0: all 49,152); "
                         "more than an EAGLE-3 --init_head's grows its vocabulary")

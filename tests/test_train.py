@@ -595,8 +595,6 @@ def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys, default_che
     out = fresh_run(tiny_run, tmp_path, "small")
     code, err = exit_code_and_stderr(["fit", "--out", str(out), "--batch_size", str(N_TRAIN + 1)], capsys)
     assert code == 2 and err.count("\n") == 1 and "fewer than one batch" in err
-    code, err = exit_code_and_stderr(["fit", "--out", str(out), "--label_temperature", "-1"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "--label_temperature -1.0" in err
 
 
 # ---------------------------------------------------------------- command line
@@ -911,32 +909,6 @@ def test_eagle3_loss_scores_each_step_at_the_right_positions():
             want_correct.append(((logp.argmax(-1) == p.argmax(-1)).float() * m).sum())
     assert torch.allclose(loss, want_loss, rtol=1e-5)
     assert torch.equal(correct, torch.stack(want_correct)) and correct.sum() > 0
-
-
-@pytest.mark.parametrize("label_temperature", [0.5, 0.0])
-def test_eagle3_loss_with_sharpened_or_top1_labels(label_temperature):
-    """--label_temperature T trains toward softmax(target logits / T), and T = 0 toward the target's top-1 alone:
-    each step's loss is that cross-entropy over the scored positions, weighted 0.8^k."""
-    import argparse
-    import torch.nn.functional as F
-    target = make_tiny_model(n_layer=4)
-    seqs = [eagle3_sequence(target, n=20 + 3 * s, seed=s) for s in range(3)]
-    head = train.eagle3_head(target, seqs, argparse.Namespace(draft_vocab=64, device="cpu"))
-    trainer = train.ttt_trainer(head, target, 2, label_temperature)
-    head.setup_caches(64)
-    tokens, fused, finals, top1, mask = train.make_batch3(seqs)
-    loss, _, _ = trainer(tokens, fused, finals, top1, mask)
-    with torch.no_grad():
-        logits = finals @ trainer.target_rows.t()  # (B, T, V_d)
-        p = (F.one_hot(logits.argmax(-1), logits.shape[-1]).float() if label_temperature == 0
-             else torch.softmax(logits / label_temperature, -1))
-        scored, want = mask * trainer.in_vocab[top1].float(), 0.0
-        for k, out in enumerate(trainer.unroll(tokens, fused)):
-            m, pk = train.shift(scored, k), train.shift(p, k)
-            want += 0.8 ** k * (-(pk * F.log_softmax(head.draft_logits(out), -1)).sum(-1) * m).sum() / m.sum()
-    assert torch.allclose(loss, want, rtol=1e-5)
-    soft, _, _ = train.ttt_trainer(head, target, 2)(tokens, fused, finals, top1, mask)
-    assert not torch.allclose(soft, want, rtol=1e-3)  # the option changes the loss
 
 
 def fused_run(root, target, ckpt, seeds):
