@@ -148,8 +148,9 @@ def compile_steps(device="cpu", cpp_wrapper=False):
     # Round bf16 values where eager rounds them. Without this Inductor keeps fused intermediates in fp32 and fuses
     # differently for 1 token and for a tree, and bf16 EAGLE parts from plain decoding within a few dozen tokens.
     torch._inductor.config.emulate_precision_casts = True
-    # No size and stride check of every input and every custom op's output at each call: Dynamo's guards check the
-    # inputs, and the ops' shapes are tested; the ~760 checks of a one-token forward cost ~0.3 ms a call here.
+    # No size and stride check of every input and every custom op's output at each call: a generation's first call
+    # is guarded (guards_checked_once) and its inputs keep their shapes after it, and the ops' output shapes are
+    # tested; the ~760 checks of a one-token forward cost ~0.3 ms a call here (docs/performance.md).
     torch._inductor.config.size_asserts = False
     mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
     decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
