@@ -59,6 +59,7 @@ CPP = r"""
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -1582,6 +1583,133 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
+#if EAGLE_AMX
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,amx-int8")
+// bf16 attention on AMX: the scores of up to 16 query rows at once by tiles, C = K . Q^T: 16 cache slots' K rows as A
+// straight from the cache (32 columns a tile), the rows' column pairs as B; C holds a slot's 16 scores in one row of
+// 64 bytes (cs: (slots, 16) fp32, unscaled). Each score is summed over its own K row and q row only, so it is the
+// same whatever the other rows and slots are (tests: rows alone = rows together, a tree row = its decode row over
+// the compacted cache). Slots [0, n16), n16 a multiple of 16; a last block past the cache's S rows is read from a
+// zero-padded copy.
+void scores_amx(const uint16_t* k, int64_t S, int64_t D, const uint16_t* const* q, int rows, int64_t n16, float* cs) {
+  alignas(64) uint32_t bt[6][16][16];  // D <= 192: the rows' pairs, (D / 32, 16 pairs, 16 rows), zeros past `rows`
+  alignas(64) uint16_t pad[16 * 192];
+  const int64_t DB = D / 32;
+  std::memset(bt, 0, DB * 1024);
+  for (int r = 0; r < rows; r++)
+    for (int64_t i = 0; i < 16 * DB; i++) bt[i / 16][i % 16][r] = ((const uint32_t*)q[r])[i];
+  TileConfig c;
+  for (int t = 0; t <= 7; t++) c.rows[t] = 16, c.colsb[t] = 64;
+  load_tile_config(c);
+  if (DB == 2) {  // head_dim 64: q's two B tiles stay loaded (1, 3), two blocks of slots in flight (A 0/4 and 6/7, C 2/5)
+    _tile_loadd(1, bt[0], 64);
+    _tile_loadd(3, bt[1], 64);
+  }
+  for (int64_t s0 = 0; s0 < n16; s0 += 32) {
+    const uint16_t* a = k + s0 * D;
+    const bool two = s0 + 16 < n16;
+    if (s0 + (two ? 32 : 16) > S) {  // the last block(s) run past the cache: a zero-padded copy
+      std::memset(pad, 0, sizeof(pad));
+      if (S > s0 + (two ? 16 : 0)) std::memcpy(pad, k + (two ? s0 + 16 : s0) * D, (S - s0 - (two ? 16 : 0)) * D * 2);
+    }
+    const uint16_t* a0 = two || s0 + 16 <= S ? a : pad;
+    const uint16_t* a1 = s0 + 32 <= S ? a + 16 * D : pad;
+    if (DB == 2) {
+      _tile_zero(2);
+      _tile_loadd(0, a0, 128);
+      _tile_loadd(4, a0 + 32, 128);
+      _tile_dpbf16ps(2, 0, 1);
+      if (two) {
+        _tile_zero(5);
+        _tile_loadd(6, a1, 128);
+        _tile_loadd(7, a1 + 32, 128);
+        _tile_dpbf16ps(5, 6, 1);
+        _tile_dpbf16ps(2, 4, 3);
+        _tile_dpbf16ps(5, 7, 3);
+        _tile_stored(5, cs + (s0 + 16) * 16, 64);
+      } else {
+        _tile_dpbf16ps(2, 4, 3);
+      }
+      _tile_stored(2, cs + s0 * 16, 64);
+      continue;
+    }
+    for (int blk = 0; blk < (two ? 2 : 1); blk++) {
+      const uint16_t* ab = blk ? a1 : a0;
+      _tile_zero(2);
+      for (int64_t cb = 0; cb < DB; cb++) {
+        _tile_loadd(0, ab + 32 * cb, D * 2);
+        _tile_loadd(1, bt[cb], 64);
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      _tile_stored(2, cs + (s0 + 16 * blk) * 16, 64);
+    }
+  }
+  _tile_release();
+}
+
+// Work items are a KV head's query heads at up to 16 / group positions: their scores in one pass of the tiles over
+// the slots any of them sees, then each row's visible slots' scores in rank order, softmax and the V sums as on the
+// vectors (softmax_v512, R heads of a position together). T = 1: one item a KV head, as the vector path has.
+void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                   at::Tensor& out) {
+  const int64_t B = out.size(0), H = out.size(1), T = out.size(2), D = out.size(3), n_kv = k.size(1), S = k.size(2);
+  const int64_t group = H / n_kv, mask_batch = mask.size(0);
+  const int64_t R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
+  const float scale = 1.0f / std::sqrt((float)D);
+  const uint16_t* qp = (const uint16_t*)q.data_ptr();
+  const uint16_t* kp = (const uint16_t*)k.data_ptr();
+  const uint16_t* vp = (const uint16_t*)v.data_ptr();
+  const bool* mp = mask.data_ptr<bool>();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  // positions split evenly into chunks of at most 16 / group, and at least two items a thread where T allows
+  const int64_t most = 16 / group, threads = at::get_num_threads();
+  const int64_t chunks = std::min<int64_t>(T, std::max<int64_t>((T + most - 1) / most, (2 * threads + B * n_kv - 1) / (B * n_kv)));
+  at::parallel_for(0, B * n_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
+    // not zero-filled: a 1032-slot cache's buffers are ~120 KB, and filling them cost a one-token step ~1 us a layer
+    std::unique_ptr<int64_t[]> slots(new int64_t[most * S]), seen(new int64_t[most]);
+    std::unique_ptr<float[]> cs(new float[(S + 31) / 32 * 32 * 16]), scores(new float[R * S + 16]), obuf(new float[R * D]);
+    const uint16_t* qrows[16];
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t chunk = i % chunks, kvh = (i / chunks) % n_kv, b = i / (chunks * n_kv);
+      const int64_t t0 = chunk * T / chunks, t1 = (chunk + 1) * T / chunks;  // positions t0..t1-1
+      const int64_t kv = (b * n_kv + kvh) * S * D;
+      int64_t last = 0;
+      for (int64_t t = t0; t < t1; t++) {
+        int64_t* sl = slots.get() + (t - t0) * S;
+        seen[t - t0] = visible_slots(mp + ((mask_batch > 1 ? b : 0) * T + t) * S, S, sl);
+        if (seen[t - t0]) last = std::max(last, sl[seen[t - t0] - 1] + 1);
+        for (int64_t hh = 0; hh < group; hh++) qrows[(t - t0) * group + hh] = qp + b * qs0 + (kvh * group + hh) * qs1 + t * qs2;
+      }
+      scores_amx(kp + kv, S, D, qrows, (int)((t1 - t0) * group), (last + 15) / 16 * 16, cs.get());
+      for (int64_t t = t0; t < t1; t++) {
+        const int64_t* sl = slots.get() + (t - t0) * S;
+        const int64_t n = seen[t - t0];
+        for (int64_t h0 = 0; h0 < group; h0 += R) {
+          float* sc[3];
+          float* o[3];
+          for (int64_t r = 0; r < R; r++) {
+            sc[r] = scores.get() + r * S, o[r] = obuf.get() + r * D;
+            const float* col = cs.get() + (t - t0) * group + h0 + r;
+            for (int64_t j = 0; j < n; j++) sc[r][j] = col[sl[j] * 16] * scale;
+          }
+          if (R == 3) softmax_v512<uint16_t, 3>(vp + kv, D, sc, sl, n, o);
+          else if (R == 2) softmax_v512<uint16_t, 2>(vp + kv, D, sc, sl, n, o);
+          else softmax_v512<uint16_t, 1>(vp + kv, D, sc, sl, n, o);
+          for (int64_t r = 0; r < R; r++)
+            store_bf16(o[r], op + b * os0 + (kvh * group + h0 + r) * os1 + t * os2, D);
+        }
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+#else
+void attention_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {}
+#endif
+
 // q (B, H, T, D), k and v (B, n_kv, S, D), mask (1 or B, T, S): every query row attends to the slots its mask row
 // holds, in slot order, softmax in fp32; a row that sees no slot gets zeros. The output is (B, H, T, D) laid out
 // as (B, T, H, D), so that the model's transpose back to (B, T, H * D) is a view.
@@ -1600,7 +1728,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t H = q.size(1), T = q.size(2), D = q.size(3);
   at::Tensor out = at::empty_strided(q.sizes(), {T * H * D, D, H * D, 1}, q.options());  // (B, T, H, D) in memory
   const bool dot = q.scalar_type() == at::kBFloat16 && level >= AVX512BF16 && q.size(3) % 32 == 0;
-  if (q.scalar_type() == at::kFloat) attention_impl<float>(qc, kc, vc, mc, out, level, dot);
+  if (dot && level == AMX && D <= 192 && H / k.size(1) <= 16) attention_amx(qc, kc, vc, mc, out);  // never at EAGLE_AMX 0: level < AMX
+  else if (q.scalar_type() == at::kFloat) attention_impl<float>(qc, kc, vc, mc, out, level, dot);
   else attention_impl<uint16_t>(qc, kc, vc, mc, out, level, dot);
   return out;
 }
