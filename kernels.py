@@ -1648,6 +1648,104 @@ void scores_amx(const uint16_t* k, int64_t S, int64_t D, const uint16_t* const* 
   _tile_release();
 }
 
+// Where a row's V sum goes by tiles: ranks [0, pv_tiles(n)), whole blocks of 32 at least 32 ranks short of its n. A
+// verification row sees the causal prefix, then at most MAX_M = 32 tree slots, so those ranks are prefix slots (rank
+// = slot) for every row of a step, and the decode row that sees the same n once the tree is compacted takes the same
+// ranks by tiles: the same sums in the same order.
+inline int64_t pv_tiles(int64_t n) { return n >= 64 ? (n - 32) / 32 * 32 : 0; }
+
+// P . V over the ranks [0, region[r]) of each row r (< 16): A = the rows' softmax numerators rounded to bf16, 32
+// ranks a tile (zeros past a row's region), B = the 32 V rows as pairs, 16 columns a tile; acc (rows, D) fp32.
+// Each output sums its own row of P in block order, whatever the other rows are.
+void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, int rows, const int64_t* region,
+            int64_t rmax, float* acc) {
+  std::unique_ptr<uint16_t[]> a(new uint16_t[rows * rmax]);
+  for (int r = 0; r < rows; r++)
+    for (int64_t j = 0; j < rmax; j += 16) {
+      const __m512 x = j < region[r] ? _mm512_loadu_ps(probs + r * pstride + j) : _mm512_setzero_ps();
+      _mm256_storeu_si256((__m256i*)(a.get() + r * rmax + j), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  alignas(64) uint32_t bt[4][16][16];  // 32 V rows as pairs, 16 columns a tile
+  TileConfig c;
+  c.rows[0] = rows, c.colsb[0] = 64;  // A: P
+  for (int t = 1; t <= 2; t++) c.rows[t] = 16, c.colsb[t] = 64;  // B: V
+  for (int t = 4; t <= 7; t++) c.rows[t] = rows, c.colsb[t] = 64;  // C: 16 columns each
+  load_tile_config(c);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int nb = (int)std::min<int64_t>(4, (D - d0) / 16);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t s0 = 0; s0 < rmax; s0 += 32) {
+      for (int j = 0; j < 16; j++) {
+        const uint16_t* va = v + (s0 + 2 * j) * D + d0;
+        for (int b = 0; b < nb; b++) {
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(va + 16 * b)));
+          const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(va + D + 16 * b)));
+          _mm512_store_si512(bt[b][j], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+      }
+      _tile_loadd(0, a.get() + s0, rmax * 2);
+      _tile_loadd(1, bt[0], 64);
+      _tile_dpbf16ps(4, 0, 1);
+      if (nb > 1) {
+        _tile_loadd(2, bt[1], 64);
+        _tile_dpbf16ps(5, 0, 2);
+      }
+      if (nb > 2) {
+        _tile_loadd(1, bt[2], 64);
+        _tile_dpbf16ps(6, 0, 1);
+      }
+      if (nb > 3) {
+        _tile_loadd(2, bt[3], 64);
+        _tile_dpbf16ps(7, 0, 2);
+      }
+    }
+    _tile_stored(4, acc + d0, D * 4);
+    if (nb > 1) _tile_stored(5, acc + d0 + 16, D * 4);
+    if (nb > 2) _tile_stored(6, acc + d0 + 32, D * 4);
+    if (nb > 3) _tile_stored(7, acc + d0 + 48, D * 4);
+  }
+  _tile_release();
+}
+
+// The rest of R rows' V sums (the R heads of one position: the same slots), ranks [from, n), on the vectors as
+// softmax_v512 sums them, added to the tiles' part `base` (zeros where from = 0), times 1 / the numerators' sum
+template <int R>
+void pv_rest512(const uint16_t* v, int64_t D, float* const* p, const int64_t* slots, int64_t from, int64_t n,
+                float* const* base, const float* inv, float* const* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
+    __m512 acc[R][2][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) acc[r][0][j] = acc[r][1][j] = _mm512_setzero_ps();
+    for (int64_t i = from; i < n; i += 2) {
+      const bool odd = i + 1 < n;
+      const uint16_t* v0 = v + slots[i] * D + d0;
+      const uint16_t* v1 = v + slots[odd ? i + 1 : i] * D + d0;
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++)
+        if (j < chunks) {
+          const __m512 x0 = vload512(v0 + 16 * j), x1 = vload512(v1 + 16 * j);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; r++) {
+            acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i]), x0, acc[r][0][j]);
+            if (odd) acc[r][1][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i + 1]), x1, acc[r][1][j]);
+          }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+      for (int j = 0; j < chunks; j++) {
+        const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(base[r] + d0 + 16 * j), _mm512_add_ps(acc[r][0][j], acc[r][1][j]));
+        _mm512_storeu_ps(out[r] + d0 + 16 * j, _mm512_mul_ps(sum, _mm512_set1_ps(inv[r])));
+      }
+  }
+}
+
 // Work items are a KV head's query heads at up to 16 / group positions: their scores in one pass of the tiles over
 // the slots any of them sees, then each row's visible slots' scores in rank order, softmax and the V sums as on the
 // vectors (softmax_v512, R heads of a position together). T = 1: one item a KV head, as the vector path has.
@@ -1670,8 +1768,11 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   at::parallel_for(0, B * n_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
     // not zero-filled: a 1032-slot cache's buffers are ~120 KB, and filling them cost a one-token step ~1 us a layer
     std::unique_ptr<int64_t[]> slots(new int64_t[most * S]), seen(new int64_t[most]);
-    std::unique_ptr<float[]> cs(new float[(S + 31) / 32 * 32 * 16]), scores(new float[R * S + 16]), obuf(new float[R * D]);
+    std::unique_ptr<float[]> cs(new float[(S + 31) / 32 * 32 * 16]), probs(new float[16 * S + 16]), acc(new float[16 * D]),
+        obuf(new float[R * D]);
     const uint16_t* qrows[16];
+    float inv[16];
+    int64_t region[16];
     for (int64_t i = i0; i < i1; i++) {
       const int64_t chunk = i % chunks, kvh = (i / chunks) % n_kv, b = i / (chunks * n_kv);
       const int64_t t0 = chunk * T / chunks, t1 = (chunk + 1) * T / chunks;  // positions t0..t1-1
@@ -1684,20 +1785,34 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         for (int64_t hh = 0; hh < group; hh++) qrows[(t - t0) * group + hh] = qp + b * qs0 + (kvh * group + hh) * qs1 + t * qs2;
       }
       scores_amx(kp + kv, S, D, qrows, (int)((t1 - t0) * group), (last + 15) / 16 * 16, cs.get());
+      // each row's scores in rank order, their softmax numerators and sums; the V sums by tiles where pv_tiles says
+      const int rows = (int)((t1 - t0) * group);
+      int64_t rmax = 0;
+      for (int row = 0; row < rows; row++) {
+        const int64_t* sl = slots.get() + (row / group) * S;
+        const int64_t n = seen[row / group];
+        float* pr = probs.get() + row * S;
+        const float* col = cs.get() + row;
+        for (int64_t j = 0; j < n; j++) pr[j] = col[sl[j] * 16] * scale;
+        inv[row] = n ? 1.0f / softmax_numerators512(pr, n) : 0.0f;
+        region[row] = pv_tiles(n);
+        rmax = std::max(rmax, region[row]);
+      }
+      if (rmax) pv_amx(vp + kv, D, probs.get(), S, rows, region, rmax, acc.get());
+      else std::memset(acc.get(), 0, rows * D * sizeof(float));
       for (int64_t t = t0; t < t1; t++) {
         const int64_t* sl = slots.get() + (t - t0) * S;
         const int64_t n = seen[t - t0];
         for (int64_t h0 = 0; h0 < group; h0 += R) {
-          float* sc[3];
+          const int64_t row = (t - t0) * group + h0;
+          float* pr[3];
+          float* base[3];
           float* o[3];
-          for (int64_t r = 0; r < R; r++) {
-            sc[r] = scores.get() + r * S, o[r] = obuf.get() + r * D;
-            const float* col = cs.get() + (t - t0) * group + h0 + r;
-            for (int64_t j = 0; j < n; j++) sc[r][j] = col[sl[j] * 16] * scale;
-          }
-          if (R == 3) softmax_v512<uint16_t, 3>(vp + kv, D, sc, sl, n, o);
-          else if (R == 2) softmax_v512<uint16_t, 2>(vp + kv, D, sc, sl, n, o);
-          else softmax_v512<uint16_t, 1>(vp + kv, D, sc, sl, n, o);
+          for (int64_t r = 0; r < R; r++)
+            pr[r] = probs.get() + (row + r) * S, base[r] = acc.get() + (row + r) * D, o[r] = obuf.get() + r * D;
+          if (R == 3) pv_rest512<3>(vp + kv, D, pr, sl, region[row], n, base, inv + row, o);
+          else if (R == 2) pv_rest512<2>(vp + kv, D, pr, sl, region[row], n, base, inv + row, o);
+          else pv_rest512<1>(vp + kv, D, pr, sl, region[row], n, base, inv + row, o);
           for (int64_t r = 0; r < R; r++)
             store_bf16(o[r], op + b * os0 + (kvh * group + h0 + r) * os1 + t * os2, D);
         }

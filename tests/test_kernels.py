@@ -246,7 +246,7 @@ def test_attention_rows_over_a_shared_prefix_equal_each_row_alone(heads, kv_head
     that shares work across the rows of a step (one that shared the prefix's K and V loads was tried: docs)."""
     g = torch.Generator().manual_seed(4)
     for dtype in (torch.float32, torch.bfloat16):
-        for L, T in ((37, 5), (40, 9), (3, kernels.MAX_M), (0, 3)):
+        for L, T in ((37, 5), (40, 9), (3, kernels.MAX_M), (0, 3), (130, 17), (97, kernels.MAX_M)):  # AMX: V by tiles past 64
             S = L + T + 8
             q = torch.randn(1, heads, T, 64, generator=g).to(dtype)
             k, v = (torch.randn(1, kv_heads, S, 64, generator=g).to(dtype) for _ in range(2))
@@ -285,20 +285,20 @@ def test_a_tree_row_equals_the_decode_row_over_the_compacted_cache():
     bit, so the kernel may go by a slot's rank among the visible ones, never by its index."""
     g = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
-        S, L = 64, 37
-        q = torch.randn(1, 6, 1, 64, generator=g).to(dtype)
-        k, v = (torch.randn(1, 2, S, 64, generator=g).to(dtype) for _ in range(2))
-        seen = list(range(L)) + [L + 1, L + 4, L + 5]  # the prefix, then three ancestors scattered in the tree
-        mask = torch.zeros(1, 1, S, dtype=torch.bool)
-        mask[..., seen] = True
-        compact_k, compact_v = torch.zeros_like(k), torch.zeros_like(v)
-        compact_k[:, :, :len(seen)], compact_v[:, :, :len(seen)] = k[:, :, seen], v[:, :, seen]
-        compact_mask = torch.zeros_like(mask)
-        compact_mask[..., :len(seen)] = True
-        tree_row = kernels.attention(q, k, v, mask)
-        assert torch.equal(tree_row, kernels.attention(q, compact_k, compact_v, compact_mask))
-        ref = kernels.attention_reference(q, k, v, mask)
-        assert (tree_row.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+        for S, L in ((64, 37), (160, 120)):  # and a row long enough for AMX's tiles to sum V (from 64 slots on)
+            q = torch.randn(1, 6, 1, 64, generator=g).to(dtype)
+            k, v = (torch.randn(1, 2, S, 64, generator=g).to(dtype) for _ in range(2))
+            seen = list(range(L)) + [L + 1, L + 4, L + 5]  # the prefix, then three ancestors scattered in the tree
+            mask = torch.zeros(1, 1, S, dtype=torch.bool)
+            mask[..., seen] = True
+            compact_k, compact_v = torch.zeros_like(k), torch.zeros_like(v)
+            compact_k[:, :, :len(seen)], compact_v[:, :, :len(seen)] = k[:, :, seen], v[:, :, seen]
+            compact_mask = torch.zeros_like(mask)
+            compact_mask[..., :len(seen)] = True
+            tree_row = kernels.attention(q, k, v, mask)
+            assert torch.equal(tree_row, kernels.attention(q, compact_k, compact_v, compact_mask))
+            ref = kernels.attention_reference(q, k, v, mask)
+            assert (tree_row.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("kind", ["float32", "int4"])
