@@ -1615,23 +1615,23 @@ void scores_amx(const uint16_t* k, int64_t S, int64_t D, const uint16_t* const* 
     }
     const uint16_t* a0 = two || s0 + 16 <= S ? a : pad;
     const uint16_t* a1 = s0 + 32 <= S ? a + 16 * D : pad;
-    if (DB == 2) {
-      _tile_zero(2);
+    if (DB == 2) {  // every load before the products: the tile instructions wait on each other in order
       _tile_loadd(0, a0, 128);
       _tile_loadd(4, a0 + 32, 128);
+      if (two) {
+        _tile_loadd(6, a1, 128);
+        _tile_loadd(7, a1 + 32, 128);
+      }
+      _tile_zero(2);
       _tile_dpbf16ps(2, 0, 1);
       if (two) {
         _tile_zero(5);
-        _tile_loadd(6, a1, 128);
-        _tile_loadd(7, a1 + 32, 128);
         _tile_dpbf16ps(5, 6, 1);
-        _tile_dpbf16ps(2, 4, 3);
-        _tile_dpbf16ps(5, 7, 3);
-        _tile_stored(5, cs + (s0 + 16) * 16, 64);
-      } else {
-        _tile_dpbf16ps(2, 4, 3);
       }
+      _tile_dpbf16ps(2, 4, 3);
+      if (two) _tile_dpbf16ps(5, 7, 3);
       _tile_stored(2, cs + s0 * 16, 64);
+      if (two) _tile_stored(5, cs + (s0 + 16) * 16, 64);
       continue;
     }
     for (int blk = 0; blk < (two ? 2 : 1); blk++) {
@@ -1665,7 +1665,7 @@ void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, i
       const __m512 x = j < region[r] ? _mm512_loadu_ps(probs + r * pstride + j) : _mm512_setzero_ps();
       _mm256_storeu_si256((__m256i*)(a.get() + r * rmax + j), (__m256i)_mm512_cvtneps_pbh(x));
     }
-  alignas(64) uint32_t bt[4][16][16];  // 32 V rows as pairs, 16 columns a tile
+  alignas(64) uint32_t bt[2][4][16][16];  // 32 V rows as pairs, 16 columns a tile (D % 32 == 0: pairs of tiles)
   TileConfig c;
   c.rows[0] = rows, c.colsb[0] = 64;  // A: P
   for (int t = 1; t <= 2; t++) c.rows[t] = 16, c.colsb[t] = 64;  // B: V
@@ -1677,28 +1677,34 @@ void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, i
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    for (int64_t s0 = 0; s0 < rmax; s0 += 32) {
+    // rows 2j and 2j + 1 of the 32 from s0 interleaved, 32 columns at a time: two tiles' rows. Built one block ahead
+    // of the products: a tile load of what the vector stores just wrote waited for them
+    auto build = [&](int64_t s0, uint32_t (*b4)[16][16]) {
       for (int j = 0; j < 16; j++) {
         const uint16_t* va = v + (s0 + 2 * j) * D + d0;
-        for (int b = 0; b < nb; b++) {
-          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(va + 16 * b)));
-          const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(va + D + 16 * b)));
-          _mm512_store_si512(bt[b][j], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        for (int b = 0; b < nb; b += 2) {
+          const __m512i x0 = _mm512_loadu_si512(va + 16 * b), x1 = _mm512_loadu_si512(va + D + 16 * b);
+          _mm512_store_si512(b4[b][j], _mm512_unpacklo_epi16(x0, x1));
+          _mm512_store_si512(b4[b + 1][j], _mm512_unpackhi_epi16(x0, x1));
         }
       }
+    };
+    build(0, bt[0]);
+    for (int64_t s0 = 0, cur = 0; s0 < rmax; s0 += 32, cur ^= 1) {
+      if (s0 + 32 < rmax) build(s0 + 32, bt[cur ^ 1]);
       _tile_loadd(0, a.get() + s0, rmax * 2);
-      _tile_loadd(1, bt[0], 64);
+      _tile_loadd(1, bt[cur][0], 64);
       _tile_dpbf16ps(4, 0, 1);
       if (nb > 1) {
-        _tile_loadd(2, bt[1], 64);
+        _tile_loadd(2, bt[cur][1], 64);
         _tile_dpbf16ps(5, 0, 2);
       }
       if (nb > 2) {
-        _tile_loadd(1, bt[2], 64);
+        _tile_loadd(1, bt[cur][2], 64);
         _tile_dpbf16ps(6, 0, 1);
       }
       if (nb > 3) {
-        _tile_loadd(2, bt[3], 64);
+        _tile_loadd(2, bt[cur][3], 64);
         _tile_dpbf16ps(7, 0, 2);
       }
     }
@@ -1708,6 +1714,16 @@ void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, i
     if (nb > 3) _tile_stored(7, acc + d0 + 48, D * 4);
   }
   _tile_release();
+  // unpacklo / unpackhi pair columns 0-3, 8-11, 16-19, 24-27 of each 32 in the first tile and the rest in the second:
+  // the columns back in order
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < rows; r++)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_loadu_ps(acc + r * D + d), hi = _mm512_loadu_ps(acc + r * D + d + 16);
+      _mm512_storeu_ps(acc + r * D + d, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(acc + r * D + d + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
 }
 
 // The rest of R rows' V sums (the R heads of one position: the same slots), ranks [from, n), on the vectors as
@@ -1729,7 +1745,9 @@ void pv_rest512(const uint16_t* v, int64_t D, float* const* p, const int64_t* sl
 #pragma GCC unroll 4
       for (int j = 0; j < 4; j++)
         if (j < chunks) {
-          const __m512 x0 = vload512(v0 + 16 * j), x1 = vload512(v1 + 16 * j);
+          // bf16 widened here: vload512, built for plain AVX-512, is not inlined into this AMX-built function
+          const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v0 + 16 * j))), 16));
+          const __m512 x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v1 + 16 * j))), 16));
 #pragma GCC unroll 4
           for (int r = 0; r < R; r++) {
             acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i]), x0, acc[r][0][j]);
