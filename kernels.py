@@ -8,7 +8,9 @@ while the next activation rows pass over them), so M = 5 costs about what M = 1 
 
 It also computes every output element the same way whatever M is: one accumulator per (row, column), the same
 sequence of vector multiply-adds over K, the same horizontal sum; attention likewise per query row, over the
-cache slots the row sees, in slot order. So each row of a verification over a draft tree equals, bit for bit,
+cache slots the row sees, in slot order (on AMX, bf16 attention's scores and the V sums of all but a row's last
+32-63 slots go through the tiles, up to 16 rows at a time, in an order set by the row's own count of visible slots:
+the same for a tree row and the decode row that later sees those slots compacted). So each row of a verification over a draft tree equals, bit for bit,
 the one-token decode step that would have computed it, in bf16, int8 and int4 as in fp32: this is what makes
 greedy EAGLE output equal plain decoding token for token in every precision.
 
