@@ -9,10 +9,11 @@ while the next activation rows pass over them), so M = 5 costs about what M = 1 
 It also computes every output element the same way whatever M is: one accumulator per (row, column), the same
 sequence of vector multiply-adds over K, the same horizontal sum; attention likewise per query row, over the
 cache slots the row sees, in slot order (on AMX, bf16 attention's scores and the V sums of all but a row's last
-32-63 slots go through the tiles, up to 16 rows at a time, in an order set by the row's own count of visible slots:
-the same for a tree row and the decode row that later sees those slots compacted). So each row of a verification over a draft tree equals, bit for bit,
-the one-token decode step that would have computed it, in bf16, int8 and int4 as in fp32: this is what makes
-greedy EAGLE output equal plain decoding token for token in every precision.
+32-63 slots go through the tiles, up to 16 rows at a time, in an order set by the row's own count of visible
+slots: the same for a tree row and the decode row that later sees those slots compacted). So each row of a
+verification over a draft tree equals, bit for bit, the one-token decode step that would have computed it, in
+bf16, int8 and int4 as in fp32: this is what makes greedy EAGLE output equal plain decoding token for token in
+every precision.
 
 Three builds of the same loops, chosen at run time from what the CPU has: AVX-512 with BF16 dot products (Zen 4,
 Zen 5, Sapphire Rapids), AVX-512F, and AVX2 + FMA (most desktop CPUs); and where the CPU has AMX tiles (Xeons from Sapphire
@@ -1656,15 +1657,17 @@ void scores_amx(const uint16_t* k, int64_t S, int64_t D, const uint16_t* const* 
 // ranks by tiles: the same sums in the same order.
 inline int64_t pv_tiles(int64_t n) { return n >= 64 ? (n - 32) / 32 * 32 : 0; }
 
-// P . V over the ranks [0, region[r]) of each row r (< 16): A = the rows' softmax numerators rounded to bf16, 32
-// ranks a tile (zeros past a row's region), B = the 32 V rows as pairs, 16 columns a tile; acc (rows, D) fp32.
-// Each output sums its own row of P in block order, whatever the other rows are.
-void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, int rows, const int64_t* region,
-            int64_t rmax, float* acc) {
+// P . V over the ranks [0, region[id]) of the rows ids[0..rows) (< 16), which all see the slots `slots` at those
+// ranks: A = the rows' softmax numerators rounded to bf16, 32 ranks a tile (zeros past a row's region), B = the V
+// rows of 32 of those slots as pairs, 16 columns a tile; acc (16, D) fp32, row id for id in ids. Each output sums
+// its own row of P in block order, whatever the other rows are.
+void pv_amx(const uint16_t* v, int64_t D, const int64_t* slots, const float* probs, int64_t pstride, const int* ids,
+            int rows, const int64_t* region, int64_t rmax, float* acc) {
   std::unique_ptr<uint16_t[]> a(new uint16_t[rows * rmax]);
+  std::unique_ptr<float[]> c_rows(new float[rows * D]);
   for (int r = 0; r < rows; r++)
     for (int64_t j = 0; j < rmax; j += 16) {
-      const __m512 x = j < region[r] ? _mm512_loadu_ps(probs + r * pstride + j) : _mm512_setzero_ps();
+      const __m512 x = j < region[ids[r]] ? _mm512_loadu_ps(probs + ids[r] * pstride + j) : _mm512_setzero_ps();
       _mm256_storeu_si256((__m256i*)(a.get() + r * rmax + j), (__m256i)_mm512_cvtneps_pbh(x));
     }
   alignas(64) uint32_t bt[2][4][16][16];  // 32 V rows as pairs, 16 columns a tile (D % 32 == 0: pairs of tiles)
@@ -1683,9 +1686,10 @@ void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, i
     // of the products: a tile load of what the vector stores just wrote waited for them
     auto build = [&](int64_t s0, uint32_t (*b4)[16][16]) {
       for (int j = 0; j < 16; j++) {
-        const uint16_t* va = v + (s0 + 2 * j) * D + d0;
+        const uint16_t* va = v + slots[s0 + 2 * j] * D + d0;
+        const uint16_t* vb = v + slots[s0 + 2 * j + 1] * D + d0;
         for (int b = 0; b < nb; b += 2) {
-          const __m512i x0 = _mm512_loadu_si512(va + 16 * b), x1 = _mm512_loadu_si512(va + D + 16 * b);
+          const __m512i x0 = _mm512_loadu_si512(va + 16 * b), x1 = _mm512_loadu_si512(vb + 16 * b);
           _mm512_store_si512(b4[b][j], _mm512_unpacklo_epi16(x0, x1));
           _mm512_store_si512(b4[b + 1][j], _mm512_unpackhi_epi16(x0, x1));
         }
@@ -1710,10 +1714,10 @@ void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, i
         _tile_dpbf16ps(7, 0, 2);
       }
     }
-    _tile_stored(4, acc + d0, D * 4);
-    if (nb > 1) _tile_stored(5, acc + d0 + 16, D * 4);
-    if (nb > 2) _tile_stored(6, acc + d0 + 32, D * 4);
-    if (nb > 3) _tile_stored(7, acc + d0 + 48, D * 4);
+    _tile_stored(4, c_rows.get() + d0, D * 4);
+    if (nb > 1) _tile_stored(5, c_rows.get() + d0 + 16, D * 4);
+    if (nb > 2) _tile_stored(6, c_rows.get() + d0 + 32, D * 4);
+    if (nb > 3) _tile_stored(7, c_rows.get() + d0 + 48, D * 4);
   }
   _tile_release();
   // unpacklo / unpackhi pair columns 0-3, 8-11, 16-19, 24-27 of each 32 in the first tile and the rest in the second:
@@ -1722,9 +1726,9 @@ void pv_amx(const uint16_t* v, int64_t D, const float* probs, int64_t pstride, i
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < rows; r++)
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_loadu_ps(acc + r * D + d), hi = _mm512_loadu_ps(acc + r * D + d + 16);
-      _mm512_storeu_ps(acc + r * D + d, _mm512_permutex2var_ps(lo, first, hi));
-      _mm512_storeu_ps(acc + r * D + d + 16, _mm512_permutex2var_ps(lo, second, hi));
+      const __m512 lo = _mm512_loadu_ps(c_rows.get() + r * D + d), hi = _mm512_loadu_ps(c_rows.get() + r * D + d + 16);
+      _mm512_storeu_ps(acc + ids[r] * D + d, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(acc + ids[r] * D + d + 16, _mm512_permutex2var_ps(lo, second, hi));
     }
 }
 
@@ -1767,8 +1771,9 @@ void pv_rest512(const uint16_t* v, int64_t D, float* const* p, const int64_t* sl
 }
 
 // Work items are a KV head's query heads at up to 16 / group positions: their scores in one pass of the tiles over
-// the slots any of them sees, then each row's visible slots' scores in rank order, softmax and the V sums as on the
-// vectors (softmax_v512, R heads of a position together). T = 1: one item a KV head, as the vector path has.
+// the slots any of them sees, then each row's visible slots' scores in rank order and softmax, the V sums of most
+// ranks by the tiles (pv_amx) and the rest on the vectors (pv_rest512, R heads of a position together). T = 1: one
+// item a KV head, as the vector path has.
 void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                    at::Tensor& out) {
   const int64_t B = out.size(0), H = out.size(1), T = out.size(2), D = out.size(3), n_kv = k.size(1), S = k.size(2);
@@ -1805,9 +1810,8 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         for (int64_t hh = 0; hh < group; hh++) qrows[(t - t0) * group + hh] = qp + b * qs0 + (kvh * group + hh) * qs1 + t * qs2;
       }
       scores_amx(kp + kv, S, D, qrows, (int)((t1 - t0) * group), (last + 15) / 16 * 16, cs.get());
-      // each row's scores in rank order, their softmax numerators and sums; the V sums by tiles where pv_tiles says
+      // each row's scores in rank order, their softmax numerators and sums
       const int rows = (int)((t1 - t0) * group);
-      int64_t rmax = 0;
       for (int row = 0; row < rows; row++) {
         const int64_t* sl = slots.get() + (row / group) * S;
         const int64_t n = seen[row / group];
@@ -1816,10 +1820,28 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         for (int64_t j = 0; j < n; j++) pr[j] = col[sl[j] * 16] * scale;
         inv[row] = n ? 1.0f / softmax_numerators512(pr, n) : 0.0f;
         region[row] = pv_tiles(n);
-        rmax = std::max(rmax, region[row]);
       }
-      if (rmax) pv_amx(vp + kv, D, probs.get(), S, rows, region, rmax, acc.get());
-      else std::memset(acc.get(), 0, rows * D * sizeof(float));
+      // the V sums by tiles where pv_tiles says, for positions whose slots agree at the ranks the tiles take, the
+      // first pending position's slots for them all (a tree's or a chain's rows share the prefix: one group; a
+      // batch row's left padding is not visible, so there the ranks start past it)
+      std::memset(acc.get(), 0, rows * D * sizeof(float));
+      unsigned done = 0;
+      for (int64_t p0 = 0; p0 < t1 - t0; p0++) {
+        if (done >> p0 & 1) continue;
+        const int64_t* lead = slots.get() + p0 * S;
+        int ids[16], nr = 0;
+        int64_t rmax = 0;
+        for (int64_t p = p0; p < t1 - t0; p++) {
+          const int64_t reg = pv_tiles(seen[p]);
+          if ((done >> p & 1) || reg > seen[p0] ||
+              (p != p0 && std::memcmp(slots.get() + p * S, lead, reg * sizeof(int64_t))))
+            continue;
+          done |= 1u << p;
+          for (int64_t hh = 0; hh < group; hh++) ids[nr++] = (int)(p * group + hh);
+          rmax = std::max(rmax, reg);
+        }
+        if (rmax) pv_amx(vp + kv, D, lead, probs.get(), S, ids, nr, region, rmax, acc.get());
+      }
       for (int64_t t = t0; t < t1; t++) {
         const int64_t* sl = slots.get() + (t - t0) * S;
         const int64_t n = seen[t - t0];

@@ -262,6 +262,27 @@ def test_attention_rows_over_a_shared_prefix_equal_each_row_alone(heads, kv_head
                 assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1]), (L, T, t)
 
 
+def test_attention_rows_that_see_different_slots_past_64():
+    """Rows that do not share the prefix (a batch row's left padding hidden, a random mask) over 150-200 slots, where
+    AMX's tiles take most of a row's V sums: each row as the reference computes it, and bit for bit what it gets
+    alone."""
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        S, T = 200, 9
+        q = torch.randn(2, 9, T, 64, generator=g).to(dtype)
+        k, v = (torch.randn(2, 3, S, 64, generator=g).to(dtype) for _ in range(2))
+        masks = [torch.rand(2, T, S, generator=g) < 0.75]  # every row its own slots
+        pad = torch.tensor([0, 37])  # left padding: row 1 sees slots 37.. only, as generate's batch_mask says
+        slots = torch.arange(S)
+        masks.append((slots[None, None] >= pad[:, None, None]) & (slots[None, None] <= (150 + torch.arange(T))[None, :, None]))
+        for mask in masks:
+            y = kernels.attention(q, k, v, mask)
+            ref = kernels.attention_reference(q, k, v, mask)
+            assert (y.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+            for t in (0, 3, T - 1):
+                assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1])
+
+
 def test_the_compiled_graphs_see_what_the_ops_return():
     """torch.compile plans with the ops' fake kernels: shapes, strides and dtypes must be the real ones (the
     attention writes (B, H, T, D) laid out as (B, T, H, D), a transposed q is read where it lies)."""
