@@ -262,15 +262,16 @@ def test_attention_rows_over_a_shared_prefix_equal_each_row_alone(heads, kv_head
                 assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1]), (L, T, t)
 
 
-def test_attention_rows_that_see_different_slots_past_64():
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 4, 128)])
+def test_attention_rows_that_see_different_slots_past_64(heads, kv_heads, head_dim):
     """Rows that do not share the prefix (a batch row's left padding hidden, a random mask) over 150-200 slots, where
     AMX's tiles take most of a row's V sums: each row as the reference computes it, and bit for bit what it gets
-    alone."""
+    alone (the default model's shape, and a Llama-3-8B-like one)."""
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):
         S, T = 200, 9
-        q = torch.randn(2, 9, T, 64, generator=g).to(dtype)
-        k, v = (torch.randn(2, 3, S, 64, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(2, heads, T, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(2, kv_heads, S, head_dim, generator=g).to(dtype) for _ in range(2))
         masks = [torch.rand(2, T, S, generator=g) < 0.75]  # every row its own slots
         pad = torch.tensor([0, 37])  # left padding: row 1 sees slots 37.. only, as generate's batch_mask says
         slots = torch.arange(S)
