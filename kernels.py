@@ -477,16 +477,17 @@ void run_amx(const Lin& a) {
 // int4 weights on AMX, the other way round: the activations are A, the weights B. pack lays int4 out for the tiles
 // (16 weight rows x 64 columns in 512 bytes; byte (r, n, j) holds column 4r + j of the first 32 columns in its low
 // nibble and of the next 32 in its high one: two B tiles, a mask or a shift away). The activations are rounded to
-// 16-bit integers a row (quantize_rows16, as for int8) and split into bytes, x = 256 hi + lo, lo' = lo - 128 signed;
-// a panel of c rows is one A tile of 2c + 1 rows: the c high bytes, the c low ones and a row of ones, whose sum
-// q . 1 puts the 128 back (x . q = 256 hi . q + lo' . q + 128 q . 1, each exact in int32: TDPBSUD). One product
+// 16-bit integers a row (quantize_rows16, as for int8, but within +-32639) and split into two signed bytes, x = 256
+// hi + lo with hi = (x + 128) >> 8 and lo the low byte read as a signed one; a panel of c rows is one A tile of 2c
+// rows, the c high bytes then the c low ones (x . q = 256 hi . q + lo . q, each exact in int32: TDPBSUD; a row of
+// ones that put back the 128 of an unsigned low byte cost a tile row and an add a row and group, 3% at 5 rows). One product
 // and one store of its sums a group of 32 columns and 16 weight rows, whatever c is; then each (row, group) adds
 // sum * scale + offset * (the group's sum of x) in fp32, in group order, the same instructions whatever M is.
 // (The high and low bytes as two tiles cost twice the products and the stores, and the stores, ~20 cycles each
 // whatever the rows, were the bound: 30 layers' linears at one row 4.8 ms, 3.7 with one tile.)
-constexpr int PANEL_ROWS = 7;  // activation rows a panel (int4, int8): 2 x 7 + 1 = 15 tile rows
+constexpr int PANEL_ROWS = 7;  // activation rows a panel (int4: 2 x 7 = 14 tile rows; int8: 2 x 7 + 1 = 15)
 
-inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c + 1
+inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c
   TileConfig c;
   for (int t = 0; t <= 1; t++) c.rows[t] = rows, c.colsb[t] = 32;  // A: a panel's bytes, 32 columns (two groups)
   for (int t = 2; t <= 3; t++) c.rows[t] = 8, c.colsb[t] = 64;     // B: 32 columns of the weight block
@@ -508,6 +509,22 @@ void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector
     }
   }
   for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * (2 * c + 1) + 2 * c) * K, 1, K);
+}
+
+// int4's panels: rows m of xq as panels of c, (panels, 2c, K) bytes: the high bytes, then the low ones, both signed,
+// x = 256 hi + lo with hi = (x + 128) >> 8 and lo the low byte as a signed one (x within +-32639: qmax); zeros past M
+void panel_bytes_i4(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector<int8_t>& out) {
+  const int64_t panels = (M + c - 1) / c;
+  out.assign(panels * 2 * c * K, 0);
+  for (int64_t m = 0; m < M; m++) {
+    int8_t* hi = out.data() + ((m / c) * 2 * c + m % c) * K;
+    int8_t* lo = hi + c * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i v = _mm512_loadu_si512(xq + m * K + k);
+      _mm256_storeu_si256((__m256i*)(hi + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8)));
+      _mm256_storeu_si256((__m256i*)(lo + k), _mm512_cvtepi16_epi8(v));
+    }
+  }
 }
 
 // the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
@@ -560,10 +577,9 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
       const int64_t g = g0 + j;
       const __m512 sc = _mm512_i32gather_ps(rowsx, a.scales + n0 * a.groups + g, 4);
       const __m512 of = _mm512_i32gather_ps(rowsx, a.offsets + n0 * a.groups + g, 4);
-      const __m512i ones = _mm512_slli_epi32(_mm512_load_si512(sums[j][2 * C]), 7);  // 128 q . 1
       for (int m = 0; m < C; m++) {
         const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[j][m]), 8);
-        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(hi, _mm512_load_si512(sums[j][C + m])), ones);
+        const __m512i sum = _mm512_add_epi32(hi, _mm512_load_si512(sums[j][C + m]));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc, acc[m]);
         acc[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xsum[m * a.groups + g]), acc[m]);
       }
@@ -668,7 +684,7 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
 inline void amx_i4_block(const Lin& a, const int8_t* xb, const float* xsum, int c, int64_t n0) {
   const int64_t panels = (a.M + c - 1) / c;
   for (int64_t pn = 0; pn < panels; pn++) {
-    const int8_t* x = xb + pn * (2 * c + 1) * a.K;
+    const int8_t* x = xb + pn * 2 * c * a.K;
     const float* s = xsum + pn * c * a.groups;
     switch (c) {
       case 1: amx_i4_panel<1>(a, x, s, pn * c, n0); break;
@@ -697,7 +713,7 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     const int64_t most = wide ? 16 : PANEL_ROWS, panels = (p.M + most - 1) / most;
     const int c = (int)((p.M + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
     if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xbytes, xlow);
-    else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, xbytes);
+    else panel_bytes_i4(a.xq + p0 * a.K, p.M, c, a.K, xbytes);
     xsum.assign(panels * c * a.groups, 0.0f);  // padding rows: zeros
     for (int64_t m = 0; m < p.M; m++)
       for (int64_t g = 0; g < a.groups; g++) {
@@ -710,7 +726,7 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     const float* xs = xsum.data();
     if (!wide) {
       at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-        configure_tiles_i4(2 * c + 1);
+        configure_tiles_i4(2 * c);
         for (int64_t b = b0; b < b1; b++) amx_i4_block(p, xb, xs, c, 16 * b);
         _tile_release();
       });
@@ -1097,7 +1113,7 @@ inline __m256 xload(const E* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 template <typename E>
-void quantize_rows16(const E* x, int64_t M, int64_t K, int16_t* q, float* scale) {
+void quantize_rows16(const E* x, int64_t M, int64_t K, int16_t* q, float* scale, float qmax = 32767.0f) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; m++) {
     const E* r = x + m * K;
@@ -1115,8 +1131,8 @@ void quantize_rows16(const E* x, int64_t M, int64_t K, int16_t* q, float* scale)
       std::memset(qr, 0, K * sizeof(int16_t));
       continue;
     }
-    scale[m] = amax / 32767.0f;
-    const __m256 inv = _mm256_set1_ps(32767.0f / amax);
+    scale[m] = amax / qmax;
+    const __m256 inv = _mm256_set1_ps(qmax / amax);
     for (int64_t k = 0; k < K; k += 16) {  // cvtps rounds to nearest even; packs saturates at +-32767.x -> +-32767
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(xload(r + k), inv));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(xload(r + k + 8), inv));
@@ -1278,8 +1294,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     static thread_local std::vector<float> xs;
     xbuf.resize(M * K + 32), xs.resize(M);
     int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
-    if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data());
-    else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data());
+    const float qmax = amx_i4 ? 32639.0f : 32767.0f;  // int4 tiles: x = 256 hi + lo with both bytes signed (panel_bytes_i4)
+    if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
+    else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
     a.xq = xq, a.xs = xs.data();
     if (amx_i8) run_amx_i8_tall(a);
     else if (amx_i4) run_amx_i4(a);
@@ -2148,21 +2165,22 @@ def dequantize(weight: Tensor, scales: Tensor = None, offsets: Tensor = None) ->
     return weight.float()
 
 
-def round_rows16(x: Tensor) -> Tensor:
+def round_rows16(x: Tensor, qmax: int = 32767) -> Tensor:
     """x (M, K) as the AVX2 and AMX builds give it to int8 weights: each row rounded to 16-bit integers times its
-    scale max |x| / 32767 (a row of zeros stays zeros; one with an inf or a NaN becomes NaN)."""
-    q, scale = rows16(x)
+    scale max |x| / qmax (a row of zeros stays zeros; one with an inf or a NaN becomes NaN). AMX's int4 tiles take
+    qmax = 32639, which splits into two signed bytes."""
+    q, scale = rows16(x, qmax)
     return q * scale
 
 
-def rows16(x: Tensor) -> tuple[Tensor, Tensor]:
+def rows16(x: Tensor, qmax: int = 32767) -> tuple[Tensor, Tensor]:
     """The 16-bit integers (as fp32) and the (M, 1) scales of round_rows16, computed as the kernel does: x times
-    32767 / max |x| in fp32 (a true division: `32767 / t` is a reciprocal times 32767 in torch, one rounding
+    qmax / max |x| in fp32 (a true division: `qmax / t` is a reciprocal times qmax in torch, one rounding
     more), rounded to nearest even."""
     x = x.float()
     amax = x.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax.isfinite(), amax / 32767, float("nan"))
-    q = torch.where(amax > 0, torch.round(x * (torch.full_like(amax, 32767.0) / amax)).clamp(-32767, 32767), 0.0)
+    scale = torch.where(amax.isfinite(), amax / qmax, float("nan"))
+    q = torch.where(amax > 0, torch.round(x * (torch.full_like(amax, float(qmax)) / amax)).clamp(-qmax, qmax), 0.0)
     return q, scale
 
 
@@ -2171,7 +2189,8 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 build, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row (round_rows16)."""
     int16_rows = scales is not None and (offsets is None and isa() == "avx2" or packed.shape[2] == 16)
-    y = F.linear(round_rows16(x) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
+    qmax = 32639 if offsets is not None else 32767  # int4 tiles: two signed bytes
+    y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 

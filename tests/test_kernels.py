@@ -138,9 +138,9 @@ def test_int8_tiles_layout_on_amx():
 @pytest.mark.parametrize("G", [32, 256])
 def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
     """The AMX build multiplies int4 weights (tall blocks) by x rounded to 16-bit integers a row, exact integer sums a
-    group, then scale and offset: the outputs are those of round_rows16(x) @ the dequantized weight, to fp32's
-    rounding, at every M (one tile of 2c + 1 rows up to 7 rows, two tiles of up to 16 above), at the largest products
-    (no integer overflow), with a row of zeros and rows holding a NaN or an inf."""
+    group, then scale and offset: the outputs are those of round_rows16(x, 32639) @ the dequantized weight, to fp32's
+    rounding, at every M (one tile of 2c rows up to 7 rows, two tiles of up to 16 above), at the largest products
+    (no integer overflow; x = +-32639 splits into signed bytes), with a row of zeros and rows holding a NaN or an inf."""
     if kernels.isa() != "amx":
         pytest.skip("the AMX build's int4 path (a Xeon with AMX tiles)")
     g = torch.Generator().manual_seed(5)
@@ -150,11 +150,13 @@ def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
     scales, offsets = torch.rand(N, K // G, generator=g) / 15, -torch.rand(N, K // G, generator=g)
     x = torch.randn(70, K, generator=g) * torch.logspace(-2, 2, K)
     x[1] = -1.0  # every product of row 1 and weight row 0 at its largest
+    x[5, ::2] = 1.0  # +-32639 in one row: the high byte at its largest both ways
+    x[5, 1::2] = -1.0
     x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
     packed = kernels.pack(nibbles)
     assert packed.shape == (N // 16, K // 64, 16, 32)
     dense = kernels.dequantize(nibbles, scales, offsets).double()
-    ref = F.linear(kernels.round_rows16(x).double(), dense).float()
+    ref = F.linear(kernels.round_rows16(x, 32639).double(), dense).float()
     y = kernels.linear(x, packed, None, scales, offsets)
     assert torch.equal(y.isnan(), ref.isnan())
     ok = ~ref.isnan()
