@@ -495,36 +495,25 @@ inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c
   load_tile_config(c);
 }
 
-// rows m of xq as panels of c: (panels, 2c + 1, K) bytes, the high bytes, the low ones less 128, ones; zeros past M
-void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector<int8_t>& out) {
-  const int64_t panels = (M + c - 1) / c;
-  out.assign(panels * (2 * c + 1) * K, 0);
+// rows m of xq as panels of c: (panels, 2c + ones, K) bytes, the high bytes, then the low ones, zeros past M.
+// ones (int8): the low bytes less 128 and a row of ones, whose sum q . 1 puts the 128 back; else (int4, x within
+// +-32639: qmax) both bytes signed, x = 256 hi + lo with hi = (x + 128) >> 8 and lo the low byte read as signed
+void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, bool ones, std::vector<int8_t>& out) {
+  const int64_t panels = (M + c - 1) / c, rows = 2 * c + ones;
+  out.assign(panels * rows * K, 0);
+  const __m512i round = _mm512_set1_epi16(ones ? 0 : 128);
+  const __m256i flip = _mm256_set1_epi8(ones ? -128 : 0);
   for (int64_t m = 0; m < M; m++) {
-    int8_t* hi = out.data() + ((m / c) * (2 * c + 1) + m % c) * K;
+    int8_t* hi = out.data() + ((m / c) * rows + m % c) * K;
     int8_t* lo = hi + c * K;
     for (int64_t k = 0; k < K; k += 32) {
       const __m512i v = _mm512_loadu_si512(xq + m * K + k);
-      _mm256_storeu_si256((__m256i*)(hi + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-      _mm256_storeu_si256((__m256i*)(lo + k), _mm256_xor_si256(_mm512_cvtepi16_epi8(v), _mm256_set1_epi8(-128)));
+      _mm256_storeu_si256((__m256i*)(hi + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_add_epi16(v, round), 8)));
+      _mm256_storeu_si256((__m256i*)(lo + k), _mm256_xor_si256(_mm512_cvtepi16_epi8(v), flip));
     }
   }
-  for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * (2 * c + 1) + 2 * c) * K, 1, K);
-}
-
-// int4's panels: rows m of xq as panels of c, (panels, 2c, K) bytes: the high bytes, then the low ones, both signed,
-// x = 256 hi + lo with hi = (x + 128) >> 8 and lo the low byte as a signed one (x within +-32639: qmax); zeros past M
-void panel_bytes_i4(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector<int8_t>& out) {
-  const int64_t panels = (M + c - 1) / c;
-  out.assign(panels * 2 * c * K, 0);
-  for (int64_t m = 0; m < M; m++) {
-    int8_t* hi = out.data() + ((m / c) * 2 * c + m % c) * K;
-    int8_t* lo = hi + c * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m512i v = _mm512_loadu_si512(xq + m * K + k);
-      _mm256_storeu_si256((__m256i*)(hi + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8)));
-      _mm256_storeu_si256((__m256i*)(lo + k), _mm512_cvtepi16_epi8(v));
-    }
-  }
+  if (ones)
+    for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * rows + 2 * c) * K, 1, K);
 }
 
 // the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
@@ -713,7 +702,7 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     const int64_t most = wide ? 16 : PANEL_ROWS, panels = (p.M + most - 1) / most;
     const int c = (int)((p.M + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
     if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xbytes, xlow);
-    else panel_bytes_i4(a.xq + p0 * a.K, p.M, c, a.K, xbytes);
+    else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, false, xbytes);
     xsum.assign(panels * c * a.groups, 0.0f);  // padding rows: zeros
     for (int64_t m = 0; m < p.M; m++)
       for (int64_t g = 0; g < a.groups; g++) {
@@ -812,7 +801,7 @@ void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
     const int64_t rows = std::min<int64_t>(3 * PANEL_ROWS, a.M - p0);
     const int64_t panels = (rows + PANEL_ROWS - 1) / PANEL_ROWS;
     const int c = (int)((rows + panels - 1) / panels);  // 9 rows: panels of 5 and 4, not 7 and 2
-    panel_bytes(a.xq + p0 * a.K, rows, c, a.K, xbytes);
+    panel_bytes(a.xq + p0 * a.K, rows, c, a.K, true, xbytes);
     const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles_i8_tall(2 * c + 1);
@@ -1294,7 +1283,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     static thread_local std::vector<float> xs;
     xbuf.resize(M * K + 32), xs.resize(M);
     int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
-    const float qmax = amx_i4 ? 32639.0f : 32767.0f;  // int4 tiles: x = 256 hi + lo with both bytes signed (panel_bytes_i4)
+    const float qmax = amx_i4 ? 32639.0f : 32767.0f;  // int4 tiles: x = 256 hi + lo with both bytes signed (panel_bytes)
     if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
     a.xq = xq, a.xs = xs.data();
