@@ -540,7 +540,8 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
   alignas(64) int32_t sums[2][16][16];
   __m512 acc[C];
   for (int m = 0; m < C; m++) acc[m] = _mm512_setzero_ps();
-  const __m512i rowsx = _mm512_mullo_epi32(_mm512_set1_epi32((int)a.groups), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
+  const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
   for (int64_t g0 = 0; g0 < a.groups; g0 += 2) {
     const int J = a.groups - g0 >= 2 ? 2 : 1;
     for (int j = 0; j < J; j++)
@@ -564,8 +565,7 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
     if (J == 2) _tile_stored(5, sums[1], 64);
     for (int j = 0; j < J; j++) {
       const int64_t g = g0 + j;
-      const __m512 sc = _mm512_i32gather_ps(rowsx, a.scales + n0 * a.groups + g, 4);
-      const __m512 of = _mm512_i32gather_ps(rowsx, a.offsets + n0 * a.groups + g, 4);
+      const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
       for (int m = 0; m < C; m++) {
         const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[j][m]), 8);
         const __m512i sum = _mm512_add_epi32(hi, _mm512_load_si512(sums[j][C + m]));
@@ -611,7 +611,6 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
   alignas(64) uint8_t bt[NB][8][512];
   alignas(64) int32_t c[2][16][16];
   std::memset(acc, 0, a.M * NB * 16 * sizeof(float));
-  const __m512i rowsx = _mm512_mullo_epi32(_mm512_set1_epi32((int)a.groups), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int64_t g = 0; g < a.groups; g++) {
     for (int b = 0; b < NB; b++)
       for (int64_t s = 0; s < per; s++) {
@@ -620,8 +619,8 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
       }
     __m512 sc[NB], of[NB];
     for (int b = 0; b < NB; b++) {
-      sc[b] = _mm512_i32gather_ps(rowsx, a.scales + (n0 + 16 * b) * a.groups + g, 4);
-      of[b] = _mm512_i32gather_ps(rowsx, a.offsets + (n0 + 16 * b) * a.groups + g, 4);
+      sc[b] = _mm512_loadu_ps(a.scales + ((n0 / 16 + b) * a.groups + g) * 16);
+      of[b] = _mm512_loadu_ps(a.offsets + ((n0 / 16 + b) * a.groups + g) * 16);
     }
     for (int64_t pn = 0; pn < panels; pn++) {
       const int64_t m0 = pn * cols;
@@ -1220,14 +1219,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     sc = *scales;
     a.scales = sc.data_ptr<float>();
   }
+  const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall, amx_i4 = wt == W_I4 && tall;
   if (offsets) {
+    // (N, groups), or for tall int4 blocks also (N / 16, groups, 16): each block's scales for a group side by side
+    const bool tiled = sc.dim() == 3;
     TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == sc.sizes() &&
-                sc.dim() == 2 && sc.size(0) == N && K % sc.size(1) == 0 && (K / sc.size(1)) % 32 == 0,
-                "eagle_fast::linear: int4 scales and offsets must be fp32 (N, K / groupsize), groupsize a multiple of 32");
+                (tiled ? amx_i4 && sc.size(0) * 16 == N && sc.size(2) == 16 : sc.dim() == 2 && sc.size(0) == N) &&
+                K % sc.size(1) == 0 && (K / sc.size(1)) % 32 == 0,
+                "eagle_fast::linear: int4 scales and offsets must be fp32 (N, K / groupsize) (or tile_groups' "
+                "(N / 16, K / groupsize, 16) for tall blocks), groupsize a multiple of 32");
     of = *offsets;
+    if (amx_i4 && !tiled) {  // the tiles read a block's 16 scales of a group at once: laid out so, for this call
+      sc = sc.view({N / 16, 16, sc.size(1)}).transpose(1, 2).contiguous();
+      of = of.view({N / 16, 16, of.size(1)}).transpose(1, 2).contiguous();
+      a.scales = sc.data_ptr<float>();
+    }
     a.offsets = of.data_ptr<float>();
-    a.G = K / sc.size(1);
     a.groups = sc.size(1);
+    a.G = K / a.groups;
     while ((int64_t(1) << a.gshift) < a.G) a.gshift++;
     TORCH_CHECK((int64_t(1) << a.gshift) == a.G, "eagle_fast::linear: int4 group size must be a power of two");
   } else if (scales) {
@@ -1244,7 +1253,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.out = out.data_ptr();
   if (M == 0) return out;
   // int8 and int4 in tall blocks (pack made them on an AMX CPU): the integer tiles, x rounded to 16 bits, any x dtype
-  const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall, amx_i4 = wt == W_I4 && tall;
   TORCH_CHECK(!amx_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
   at::Tensor xb;
@@ -2069,6 +2077,20 @@ def _int8_tiles(weight: Tensor) -> Tensor:
     return q.reshape(N // 16, K // 32, 16, 32)
 
 
+def tile_groups(t: Tensor, packed: Tensor) -> Tensor:
+    """int4 scales or offsets (N, G) in the layout the tall blocks read, (N / 16, G, 16): a block's 16 values for a
+    group side by side, one vector load (gathered from 16 rows, they cost 11% of the int4 linears at one row); as
+    they are for other weights. The op takes either; the tiled form saves a transpose a call."""
+    if packed.dtype != torch.uint8 or packed.shape[2] != 16:
+        return t
+    return t.view(t.shape[0] // 16, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def plain_groups(t: Tensor) -> Tensor:
+    """The inverse of tile_groups: (N, G)."""
+    return t if t.dim() == 2 else t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
 def unpack(packed: Tensor) -> Tensor:
     """The inverse of pack()."""
     B, KB, R, C = packed.shape
@@ -2097,7 +2119,7 @@ def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
 
 def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None, offsets: Tensor = None) -> Tensor:
     """x (..., K) @ W.T (+ bias) for a packed weight: float in x's dtype, int8 with fp32 scales (N,), or int4 nibbles
-    with fp32 scales and offsets (N, K/G), w = q * scale + offset. Any number of rows; each row is computed the
+    with fp32 scales and offsets (N, K/G, or tile_groups'), w = q * scale + offset. Any number of rows; each row is computed the
     same way whatever the number."""
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, packed, bias)):
@@ -2144,8 +2166,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 def dequantize(weight: Tensor, scales: Tensor = None, offsets: Tensor = None) -> Tensor:
     """Plain (N, K) fp32 weights from the kernel's forms (unpacked): float, int8 + scales, int4 nibbles + scales,
-    offsets (column 2j in the low nibble, 2j + 1 in the high one)."""
+    offsets (column 2j in the low nibble, 2j + 1 in the high one; scales and offsets (N, G) or tile_groups')."""
     if offsets is not None:
+        scales, offsets = plain_groups(scales), plain_groups(offsets)
         q = torch.stack([weight & 15, weight >> 4], dim=-1).reshape(weight.shape[0], -1).float()
         G = q.shape[1] // scales.shape[1]
         return (q.view(q.shape[0], -1, G) * scales.float()[..., None] + offsets.float()[..., None]).view_as(q)

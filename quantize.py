@@ -193,8 +193,8 @@ class Int4Linear(nn.Module):
                 # w = (q - 8) * scale + zero = q * scale + offset, in fp32
                 offsets = zeros.float() - 8 * scales.float()
                 self.layout, self.weight = "packed", kernels.pack(saved)
-                self.scales = scales.float().contiguous()
-                self.register_buffer("offsets", offsets.contiguous())
+                self.scales = kernels.tile_groups(scales.float().contiguous(), self.weight)
+                self.register_buffer("offsets", kernels.tile_groups(offsets.contiguous(), self.weight))
             else:
                 self.scales, self.zeros = scales.to(dtype), zeros.to(dtype)
                 packed, sz = _pack_int4(unpack_nibbles(saved), self.scales, self.zeros, device)

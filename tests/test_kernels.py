@@ -168,6 +168,18 @@ def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
     for M in (1, 2, 5, 7, 8, 9, 16, 17, 33):  # bit for bit (NaN rows: NaN)
         torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, offsets), y[:M], rtol=0, atol=0,
                                    equal_nan=True, msg=f"M={M}")
+    # the scales and offsets laid out as the tiles read them (what quantize.py keeps): the same outputs
+    tiled_scales, tiled_offsets = kernels.tile_groups(scales, packed), kernels.tile_groups(offsets, packed)
+    assert tiled_scales.shape == (N // 16, K // G, 16) and torch.equal(kernels.plain_groups(tiled_offsets), offsets)
+    assert tiled_scales[1, 2, 3] == scales[16 + 3, 2]
+    for M in (1, 5, 17):
+        torch.testing.assert_close(kernels.linear(x[:M], packed, None, tiled_scales, tiled_offsets), y[:M], rtol=0,
+                                   atol=0, equal_nan=True, msg=f"tiled, M={M}")
+    torch.testing.assert_close(kernels.linear_reference(x[:5], packed, None, tiled_scales, tiled_offsets),
+                               kernels.linear_reference(x[:5], packed, None, scales, offsets), rtol=0, atol=0,
+                               equal_nan=True)
+    with pytest.raises(RuntimeError, match="tile_groups"):  # a tiled layout that does not fit the weight
+        kernels.linear(x[:1], packed, None, tiled_scales[:-1].contiguous(), tiled_offsets[:-1].contiguous())
 
 
 def test_int4_tiles_layout_on_amx():
