@@ -394,6 +394,24 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// finish4 for 16 columns n..n+15 at once (the int8 and int4 tiles' outputs): the same operations on each value, in
+// the same order, and the same rounding to bf16 (vpmovdw keeps the 16 bits finish4's signed pack keeps), so the same
+// bits; a quarter of the instructions, which at 5 rows were ~70 a row and block of 16 weight rows
+inline void finish16(const Lin& a, int64_t m, int64_t n, __m512 v) {
+  if (a.xs) v = _mm512_mul_ps(v, _mm512_set1_ps(a.xs[m]));
+  if (a.scales && !a.offsets) v = _mm512_mul_ps(v, _mm512_loadu_ps(a.scales + n));
+  if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + n));
+  if (a.out_bf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i*)((uint16_t*)a.out + m * a.N + n), _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm512_storeu_ps((float*)a.out + m * a.N + n, v);
+  }
+}
+
 // GCC does not see that ldtilecfg reads the whole 64 bytes and dropped some of the stores that fill them (a
 // garbage configuration, a fault): the empty asm tells it that the memory is read
 inline void load_tile_config(const TileConfig& c) {
@@ -575,11 +593,7 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
     }
   }
   const int mp = (int)std::min<int64_t>(C, a.M - m0);
-  for (int m = 0; m < mp; m++) {
-    alignas(64) float r[16];
-    _mm512_store_ps(r, acc[m]);
-    for (int j = 0; j < 4; j++) finish4(a, m0 + m, n0 + 4 * j, _mm_load_ps(r + 4 * j));
-  }
+  for (int m = 0; m < mp; m++) finish16(a, m0 + m, n0, acc[m]);
 }
 
 // More than 7 rows: the high and the low bytes as two A tiles of up to 16 rows each (no row of ones: the low bytes
@@ -662,10 +676,7 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
     }
   }
   for (int64_t m = 0; m < a.M; m++)
-    for (int b = 0; b < NB; b++) {
-      const float* r = acc + (m * NB + b) * 16;
-      for (int j = 0; j < 4; j++) finish4(a, m, n0 + 16 * b + 4 * j, _mm_load_ps(r + 4 * j));
-    }
+    for (int b = 0; b < NB; b++) finish16(a, m, n0 + 16 * b, _mm512_load_ps(acc + (m * NB + b) * 16));
 }
 
 // a weight block x every panel
@@ -778,16 +789,16 @@ inline void amx_i8_tall_block(const Lin& a, const int8_t* xb, int c, int64_t m0,
     else _tile_stored(6, sums, 64);
     const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
     for (int64_t m = 0; m < mp; m++) {
-      alignas(64) float t[16];
+      __m256 t[2];
       for (int h = 0; h < 2; h++) {
         const __m512d hi = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[m] + 8 * h)));
         const __m512d lo = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[c + m] + 8 * h)));
         const __m512d ones = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * c] + 8 * h)));
         const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(hi, _mm512_set1_pd(256.0)), lo),
                                         _mm512_mul_pd(ones, _mm512_set1_pd(128.0)));
-        _mm256_store_ps(t + 8 * h, _mm512_cvtpd_ps(s));
+        t[h] = _mm512_cvtpd_ps(s);
       }
-      for (int j = 0; j < 4; j++) finish4(a, m0 + pn * c + m, n0 + 4 * j, _mm_load_ps(t + 4 * j));
+      finish16(a, m0 + pn * c + m, n0, _mm512_insertf32x8(_mm512_castps256_ps512(t[0]), t[1], 1));
     }
   }
 }
