@@ -1834,9 +1834,9 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         if (seen[t - t0]) last = std::max(last, sl[seen[t - t0] - 1] + 1);
         for (int64_t hh = 0; hh < group; hh++) qrows[(t - t0) * group + hh] = qp + b * qs0 + (kvh * group + hh) * qs1 + t * qs2;
       }
-      scores_amx(kp + kv, S, D, qrows, (int)((t1 - t0) * group), (last + 15) / 16 * 16, cs.get());
-      // each row's scores in rank order, their softmax numerators and sums
       const int rows = (int)((t1 - t0) * group);
+      scores_amx(kp + kv, S, D, qrows, rows, (last + 15) / 16 * 16, cs.get());
+      // each row's scores in rank order, their softmax numerators and sums
       for (int row = 0; row < rows; row++) {
         const int64_t* sl = slots.get() + (row / group) * S;
         const int64_t n = seen[row / group];
