@@ -152,10 +152,20 @@ def compile_steps(device="cpu", cpp_wrapper=False):
     # is guarded (guards_checked_once) and its inputs keep their shapes after it, and the ops' output shapes are
     # tested; the ~760 checks of a one-token forward cost ~0.3 ms a call here (docs/performance.md).
     torch._inductor.config.size_asserts = False
-    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
-    decode_one_token = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
-    decode_batch_step = torch.compile(decode_batch_step, mode=mode, fullgraph=True, dynamic=False)
-    eagle_cycle = torch.compile(eagle_cycle, mode=mode, fullgraph=True, dynamic=False)
+    decode_one_token = compile_step(decode_one_token, device)
+    decode_batch_step = compile_step(decode_batch_step, device)
+    eagle_cycle = compile_step(eagle_cycle, device)
+
+
+def compile_step(fn, device="cpu"):
+    """torch.compile for a function that runs every step (static shapes, one graph). On CUDA its graphs replay as
+    CUDA graphs. On a CPU a graph's own kernels (norms, rotary, SiLU x mul) go parallel only where each thread gets
+    4,096 values or more (Inductor's default, 512, split even one token's 1,536 SiLU values over two threads): at a
+    few tokens an OpenMP region, a fork and a join of the threads kernels.py's linears use, cost more than it saved
+    (docs/performance.md, "Thirty-ninth session")."""
+    if torch.device(device).type == "cuda":
+        return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp.min_chunk_size": 4096})
 
 
 @torch.no_grad()

@@ -70,10 +70,10 @@ def main():
     S = len(prompt) + 128 + drafter.headroom + 64
     model.setup_caches(1, S)
 
-    draft_only = torch.compile(gen.draft_step, fullgraph=True, dynamic=False)
-    verify_only = torch.compile(gen.verify_step, fullgraph=True, dynamic=False)
-    forward_only = torch.compile(lambda tokens, slots, mask, rope_pos: model(
-        tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True), fullgraph=True, dynamic=False)
+    draft_only = gen.compile_step(gen.draft_step)
+    verify_only = gen.compile_step(gen.verify_step)
+    forward_only = gen.compile_step(lambda tokens, slots, mask, rope_pos: model(
+        tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True))
     if args.profile:  # each C++ kernel of a compiled graph reports to the profiler under its own name
         torch._inductor.config.cpp.enable_kernel_profile = True
     gen.compile_steps()

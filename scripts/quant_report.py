@@ -78,9 +78,9 @@ def run_config(args):
     prompts = [ids for _, ids in load_prompts(args.prompts_file, tokenizer, model.checkpoint_config, args.prompts)]
     cache = max(map(len, prompts)) + args.max_new_tokens + drafter.headroom + 1
     if args.compile:
-        gen.decode_one_token = torch.compile(gen.decode_one_token, fullgraph=True, dynamic=False)
-        gen.draft_step = torch.compile(gen.draft_step, fullgraph=True, dynamic=False)
-        gen.verify_step = torch.compile(gen.verify_step, fullgraph=True, dynamic=False)
+        gen.decode_one_token = gen.compile_step(gen.decode_one_token)
+        gen.draft_step = gen.compile_step(gen.draft_step)
+        gen.verify_step = gen.compile_step(gen.verify_step)
 
     def run(ids, n, draft):
         model.setup_caches(1, cache)

@@ -52,7 +52,7 @@ def main():
 
     if not args.no_compile:
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # the settings generate.py compiles with
-    step = verify if args.no_compile else torch.compile(verify, fullgraph=True, dynamic=False)
+    step = verify if args.no_compile else gen.compile_step(verify)
     inputs = {}
     for T in args.sizes:  # a random tree of T nodes (each node's parent comes before it)
         parents = torch.tensor([0] + [int(torch.randint(0, i, (1,))) for i in range(1, T)])
