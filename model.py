@@ -5,6 +5,7 @@ cache positions they are written at (`input_pos`, a tensor), so the decode step 
 compiles once. It can also return the features EAGLE drafts from (the final normed hidden state, and
 the hidden states entering chosen layers) at no cost when they are not asked for.
 """
+import copy
 import importlib.util
 import json
 import math
@@ -127,6 +128,9 @@ def pack_weights(module: nn.Module) -> nn.Module:
     for m in module.modules():  # a tied embedding follows its LM head
         if isinstance(m, Embedding) and m.weight.data_ptr() in packed:
             m.weight = packed[m.weight.data_ptr()]
+    for m in list(module.modules()):
+        if isinstance(m, FeedForward):
+            m.fuse_gate_up()
     return module
 
 
@@ -311,7 +315,40 @@ class FeedForward(nn.Module):
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)  # down
 
     def forward(self, x):
+        if self.w1 is None:  # fused (fuse_gate_up): one kernel call for both
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def fuse_gate_up(self):
+        """Packed w1 and w3 (any weight kind pack_weights or quantize.prepare left in kernels.py's blocks) as one
+        layer of twice the outputs: one kernel call and one rounding of x instead of two, and every output the same
+        bits (a kernel computes each output row of the weight on its own). Inference only: w1 and w3 go."""
+        a, b = self.w1, self.w3
+        if (a is None or type(a) is not type(b) or a.weight.dim() != 4 or a.weight.device.type != "cpu"
+                or getattr(a, "layout", "packed") != "packed" or getattr(b, "layout", "packed") != "packed"):
+            return
+        tensors = {**a._parameters, **a._buffers}
+        if {**b._parameters, **b._buffers}.keys() != tensors.keys():
+            return
+        fused = {}
+        for name, t in tensors.items():
+            u = getattr(b, name)
+            if (t is None) != (u is None) or (t is not None and (t.shape[1:] != u.shape[1:] or t.dtype != u.dtype)):
+                return
+            if t is not None:
+                fused[name] = torch.empty((t.shape[0] + u.shape[0], *t.shape[1:]), dtype=t.dtype)
+                kernels.on_huge_pages(fused[name])
+                torch.cat([t, u], out=fused[name])
+        w13 = copy.copy(a)  # the same kind of layer, its own tensors
+        w13._parameters, w13._buffers = dict(a._parameters), dict(a._buffers)
+        for name, t in fused.items():
+            if name in a._parameters:
+                w13._parameters[name] = nn.Parameter(t, requires_grad=False)
+            else:
+                w13._buffers[name] = t
+        w13.out_features = a.out_features + b.out_features
+        self.w13, self.w1, self.w3 = w13, None, None
 
 
 class RMSNorm(nn.Module):
