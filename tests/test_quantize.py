@@ -13,7 +13,7 @@ import generate as gen
 import kernels
 import quantize as Q
 from conftest import make_tiny_model, save_checkpoint
-from model import Embedding, Linear, pack_weights
+from model import Embedding, FeedForward, Linear, pack_weights
 from eagle_head import load_head, random_head, save_head, target_info
 from generate import Drafter, generate, load_model
 
@@ -185,6 +185,31 @@ def test_prepared_quantized_tensors_are_frozen_parameters(mode, groupsize, pack)
         assert all(not p.requires_grad for p in m.parameters(recurse=False))
     assert model.tok_embeddings.weight is model.output.weight and model.tok_embeddings.scales is model.output.scales
     assert greedy(model, [1, 2, 3], 8, 32) == greedy(copy.deepcopy(model), [1, 2, 3], 8, 32)
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_packed_gate_and_up_fuse_into_one_layer_with_the_same_outputs(mode):
+    # pack_weights lays w1 and w3 side by side in one packed layer (one kernel call): every output the same bits
+    model = make_tiny_model(**WIDE).to(torch.bfloat16)
+    if mode is not None:
+        model = quantized(model, mode, 32 if mode == "int4" else None, torch.bfloat16)
+    if not kernels.load():
+        pytest.skip("kernels.py did not build")
+    plain = copy.deepcopy(model)
+    for m in plain.modules():
+        if isinstance(m, FeedForward):
+            m.fuse_gate_up = lambda: None
+    pack_weights(plain), pack_weights(model)
+    for fused, apart in zip(model.layers, plain.layers):
+        ff = fused.feed_forward
+        assert ff.w1 is None and ff.w3 is None and type(ff.w13) is type(apart.feed_forward.w1)
+        assert ff.w13.out_features == 2 * 256 and ff.w13.weight.shape[0] == 2 * apart.feed_forward.w1.weight.shape[0]
+        assert all(not p.requires_grad for p in ff.w13.parameters())
+    for T in (1, 5, 20):
+        x = torch.randn(1, T, 128).bfloat16()
+        for fused, apart in zip(model.layers, plain.layers):
+            assert torch.equal(fused.feed_forward(x), apart.feed_forward(x))
+    assert greedy(model, [1, 2, 3], 8, 32) == greedy(plain, [1, 2, 3], 8, 32)
 
 
 def run_cli(main, argv, capsys):
