@@ -113,9 +113,9 @@ class Embedding(nn.Embedding):
 
 def pack_weights(module: nn.Module) -> nn.Module:
     """For inference on CPU: re-lay every Linear weight of a model (or an EAGLE head) for kernels.py's small-M
-    kernel, in place (the same numbers; a tied embedding shares the packed table). Weights the kernel does not
-    take (CUDA, float16, shapes) and a machine without the kernel keep the plain layout. Not for training: the
-    kernel has no backward."""
+    kernel, in place (the same numbers; a tied embedding shares the packed table; each feed-forward's packed gate and
+    up become one layer, FeedForward.fuse_gate_up). Weights the kernel does not take (CUDA, float16, shapes) and a
+    machine without the kernel keep the plain layout. Not for training: the kernel has no backward."""
     packed = {}
     for m in list(module.modules()):
         if isinstance(m, Linear) and m.weight.dim() == 2 and kernels.can_pack(m.weight):
@@ -125,11 +125,10 @@ def pack_weights(module: nn.Module) -> nn.Module:
             m.weight = packed[key]
             if m.bias is not None:
                 m.bias.requires_grad_(False)
-    for m in module.modules():  # a tied embedding follows its LM head
-        if isinstance(m, Embedding) and m.weight.data_ptr() in packed:
+    for m in list(module.modules()):  # (a list: fusing adds and drops modules)
+        if isinstance(m, Embedding) and m.weight.data_ptr() in packed:  # a tied embedding follows its LM head
             m.weight = packed[m.weight.data_ptr()]
-    for m in list(module.modules()):
-        if isinstance(m, FeedForward):
+        elif isinstance(m, FeedForward):
             m.fuse_gate_up()
     return module
 
@@ -326,14 +325,14 @@ class FeedForward(nn.Module):
         bits (a kernel computes each output row of the weight on its own). Inference only: w1 and w3 go."""
         a, b = self.w1, self.w3
         if (a is None or type(a) is not type(b) or a.weight.dim() != 4 or a.weight.device.type != "cpu"
-                or getattr(a, "layout", "packed") != "packed" or getattr(b, "layout", "packed") != "packed"):
+                or any(getattr(m, "layout", "packed") != "packed" for m in (a, b))):
             return
-        tensors = {**a._parameters, **a._buffers}
-        if {**b._parameters, **b._buffers}.keys() != tensors.keys():
+        tensors, others = {**a._parameters, **a._buffers}, {**b._parameters, **b._buffers}
+        if others.keys() != tensors.keys():
             return
         fused = {}
         for name, t in tensors.items():
-            u = getattr(b, name)
+            u = others[name]
             if (t is None) != (u is None) or (t is not None and (t.shape[1:] != u.shape[1:] or t.dtype != u.dtype)):
                 return
             if t is not None:

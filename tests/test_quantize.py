@@ -199,7 +199,8 @@ def test_packed_gate_and_up_fuse_into_one_layer_with_the_same_outputs(mode):
     for m in plain.modules():
         if isinstance(m, FeedForward):
             m.fuse_gate_up = lambda: None
-    pack_weights(plain), pack_weights(model)
+    pack_weights(plain)
+    pack_weights(model)
     for fused, apart in zip(model.layers, plain.layers):
         ff = fused.feed_forward
         assert ff.w1 is None and ff.w3 is None and type(ff.w13) is type(apart.feed_forward.w1)
