@@ -1676,6 +1676,49 @@ void scores_amx(const uint16_t* k, int64_t S, int64_t D, const uint16_t* const* 
   _tile_release();
 }
 
+// visible_slots 64 mask bytes a step: 8 visible slots in a row are one store of 8 indices, a mixed 8 bytes one
+// compressed store (the 8-byte loop took ~550 TSC ticks a 1,032-slot row: at T = 5, a tenth of the op's time)
+inline int64_t visible_slots512(const bool* mask, int64_t S, int64_t* slots) {
+  int64_t n = 0, s = 0;
+  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; s + 64 <= S; s += 64) {
+    const __mmask64 m = _mm512_test_epi8_mask(_mm512_loadu_si512(mask + s), _mm512_set1_epi8(1));
+    if (!m) continue;
+    for (int j = 0; j < 8; j++) {
+      const __mmask8 b = (__mmask8)(m >> (8 * j));
+      const __m512i idx = _mm512_add_epi64(_mm512_set1_epi64(s + 8 * j), lane);
+      if (b == 0xff) _mm512_storeu_si512(slots + n, idx), n += 8;
+      else if (b) _mm512_mask_compressstoreu_epi64(slots + n, b, idx), n += __builtin_popcount(b);
+    }
+  }
+  for (; s < S; s++)
+    if (mask[s]) slots[n++] = s;
+  return n;
+}
+
+// 16 slots' scores from scores_amx (c: 16 slots x 16 query rows) as the query rows' columns, times scale:
+// dst[r * stride + i] = c[16 i + r] * scale for r < rows and the slots i that keep holds. A 16 x 16 transpose by
+// shuffles; every value is the one product it was. (Each row reading its scores one by one from the tiles' layout
+// was the largest part of the op at T = 5: with this, softmax and all 33k -> 21k TSC ticks a call on one thread.)
+inline void scores_to_rows(const float* c, float scale, int rows, float* dst, int64_t stride, __mmask16 keep) {
+  __m512 t[16], u[16], x[16];
+  for (int i = 0; i < 16; i += 2) {  // t[i], lane L: slots i, i + 1 at columns 4L, 4L + 1; t[i + 1]: 4L + 2, 4L + 3
+    const __m512 a = _mm512_loadu_ps(c + 16 * i), b = _mm512_loadu_ps(c + 16 * i + 16);
+    t[i] = _mm512_unpacklo_ps(a, b), t[i + 1] = _mm512_unpackhi_ps(a, b);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + e], lane L: slots g..g+3 at column 4L + e
+    u[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44), u[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xEE);
+    u[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44), u[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; e++) {  // the lanes of columns e, 4 + e, 8 + e, 12 + e gathered in slot order
+    const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88), w1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    x[e] = _mm512_shuffle_f32x4(v0, w0, 0x88), x[8 + e] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    x[4 + e] = _mm512_shuffle_f32x4(v1, w1, 0x88), x[12 + e] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+  for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(dst + r * stride, keep, _mm512_mul_ps(x[r], _mm512_set1_ps(scale)));
+}
+
 // Where a row's V sum goes by tiles: ranks [0, pv_tiles(n)), whole blocks of 32 at least 32 ranks short of its n. A
 // verification row sees the causal prefix, then at most MAX_M = 32 tree slots, so those ranks are prefix slots (rank
 // = slot) for every row of a step, and the decode row that sees the same n once the tree is compacted takes the same
@@ -1830,19 +1873,29 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       int64_t last = 0;
       for (int64_t t = t0; t < t1; t++) {
         int64_t* sl = slots.get() + (t - t0) * S;
-        seen[t - t0] = visible_slots(mp + ((mask_batch > 1 ? b : 0) * T + t) * S, S, sl);
+        seen[t - t0] = visible_slots512(mp + ((mask_batch > 1 ? b : 0) * T + t) * S, S, sl);
         if (seen[t - t0]) last = std::max(last, sl[seen[t - t0] - 1] + 1);
         for (int64_t hh = 0; hh < group; hh++) qrows[(t - t0) * group + hh] = qp + b * qs0 + (kvh * group + hh) * qs1 + t * qs2;
       }
       const int rows = (int)((t1 - t0) * group);
       scores_amx(kp + kv, S, D, qrows, rows, (last + 15) / 16 * 16, cs.get());
+      for (int64_t s0 = 0; s0 < last; s0 += 16)
+        scores_to_rows(cs.get() + s0 * 16, scale, rows, probs.get() + s0, S,
+                       last - s0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (last - s0)) - 1));
       // each row's scores in rank order, their softmax numerators and sums
       for (int row = 0; row < rows; row++) {
         const int64_t* sl = slots.get() + (row / group) * S;
         const int64_t n = seen[row / group];
         float* pr = probs.get() + row * S;
-        const float* col = cs.get() + row;
-        for (int64_t j = 0; j < n; j++) pr[j] = col[sl[j] * 16] * scale;
+        // ranks in place: rank j's slot is j up to the first slot the row does not see (a causal prefix; sl[j] == j
+        // holds for a leading run of j only: bisection), past it sl[j] > j, each read before it is written
+        int64_t lo = 0, hi = n;
+        while (lo < hi) {
+          const int64_t mid = (lo + hi) / 2;
+          if (sl[mid] == mid) lo = mid + 1;
+          else hi = mid;
+        }
+        for (int64_t j = lo; j < n; j++) pr[j] = pr[sl[j]];
         inv[row] = n ? 1.0f / softmax_numerators512(pr, n) : 0.0f;
         region[row] = pv_tiles(n);
       }
