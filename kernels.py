@@ -1731,13 +1731,19 @@ inline int64_t pv_tiles(int64_t n) { return n >= 64 ? (n - 32) / 32 * 32 : 0; }
 // its own row of P in block order, whatever the other rows are.
 void pv_amx(const uint16_t* v, int64_t D, const int64_t* slots, const float* probs, int64_t pstride, const int* ids,
             int rows, const int64_t* region, int64_t rmax, float* acc) {
-  std::unique_ptr<uint16_t[]> a(new uint16_t[rows * rmax]);
-  std::unique_ptr<float[]> c_rows(new float[rows * D]);
-  for (int r = 0; r < rows; r++)
-    for (int64_t j = 0; j < rmax; j += 16) {
-      const __m512 x = j < region[ids[r]] ? _mm512_loadu_ps(probs + ids[r] * pstride + j) : _mm512_setzero_ps();
-      _mm256_storeu_si256((__m256i*)(a.get() + r * rmax + j), (__m256i)_mm512_cvtneps_pbh(x));
-    }
+  static thread_local std::vector<uint16_t> a_buf;  // kept: two allocations a call were ~5% of the op at T = 5
+  static thread_local std::vector<float> c_buf;
+  if ((int64_t)a_buf.size() < rows * rmax) a_buf.resize(rows * rmax);
+  if ((int64_t)c_buf.size() < rows * D) c_buf.resize(rows * D);
+  uint16_t* const a = a_buf.data();
+  float* const c_rows = c_buf.data();
+  for (int r = 0; r < rows; r++) {
+    const float* p = probs + ids[r] * pstride;
+    const int64_t reg = region[ids[r]];  // a multiple of 32
+    for (int64_t j = 0; j < reg; j += 16)
+      _mm256_storeu_si256((__m256i*)(a + r * rmax + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + j)));
+    std::memset(a + r * rmax + reg, 0, (rmax - reg) * 2);
+  }
   alignas(64) uint32_t bt[2][4][16][16];  // 32 V rows as pairs, 16 columns a tile (D % 32 == 0: pairs of tiles)
   TileConfig c;
   c.rows[0] = rows, c.colsb[0] = 64;  // A: P
@@ -1766,7 +1772,7 @@ void pv_amx(const uint16_t* v, int64_t D, const int64_t* slots, const float* pro
     build(0, bt[0]);
     for (int64_t s0 = 0, cur = 0; s0 < rmax; s0 += 32, cur ^= 1) {
       if (s0 + 32 < rmax) build(s0 + 32, bt[cur ^ 1]);
-      _tile_loadd(0, a.get() + s0, rmax * 2);
+      _tile_loadd(0, a + s0, rmax * 2);
       _tile_loadd(1, bt[cur][0], 64);
       _tile_dpbf16ps(4, 0, 1);
       if (nb > 1) {
@@ -1782,10 +1788,10 @@ void pv_amx(const uint16_t* v, int64_t D, const int64_t* slots, const float* pro
         _tile_dpbf16ps(7, 0, 2);
       }
     }
-    _tile_stored(4, c_rows.get() + d0, D * 4);
-    if (nb > 1) _tile_stored(5, c_rows.get() + d0 + 16, D * 4);
-    if (nb > 2) _tile_stored(6, c_rows.get() + d0 + 32, D * 4);
-    if (nb > 3) _tile_stored(7, c_rows.get() + d0 + 48, D * 4);
+    _tile_stored(4, c_rows + d0, D * 4);
+    if (nb > 1) _tile_stored(5, c_rows + d0 + 16, D * 4);
+    if (nb > 2) _tile_stored(6, c_rows + d0 + 32, D * 4);
+    if (nb > 3) _tile_stored(7, c_rows + d0 + 48, D * 4);
   }
   _tile_release();
   // unpacklo / unpackhi pair columns 0-3, 8-11, 16-19, 24-27 of each 32 in the first tile and the rest in the second:
@@ -1794,7 +1800,7 @@ void pv_amx(const uint16_t* v, int64_t D, const int64_t* slots, const float* pro
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < rows; r++)
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_loadu_ps(c_rows.get() + r * D + d), hi = _mm512_loadu_ps(c_rows.get() + r * D + d + 16);
+      const __m512 lo = _mm512_loadu_ps(c_rows + r * D + d), hi = _mm512_loadu_ps(c_rows + r * D + d + 16);
       _mm512_storeu_ps(acc + ids[r] * D + d, _mm512_permutex2var_ps(lo, first, hi));
       _mm512_storeu_ps(acc + ids[r] * D + d + 16, _mm512_permutex2var_ps(lo, second, hi));
     }
