@@ -1807,40 +1807,65 @@ void pv_amx(const uint16_t* v, int64_t D, const int64_t* slots, const float* pro
 }
 
 // The rest of R rows' V sums (the R heads of one position: the same slots), ranks [from, n), on the vectors as
-// softmax_v512 sums them, added to the tiles' part `base` (zeros where from = 0), times 1 / the numerators' sum
+// softmax_v512 sums them, added to the tiles' part `base` (zeros where from = 0), times 1 / the numerators' sum;
+// C chunks of 16 columns from d0
+template <int R, int C>
+inline void pv_rest_cols(const uint16_t* v, int64_t D, int64_t d0, float* const* p, const int64_t* slots, int64_t from,
+                         int64_t n, float* const* base, const float* inv, float* const* out) {
+  __m512 acc[R][2][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) acc[r][0][j] = acc[r][1][j] = _mm512_setzero_ps();
+  // bf16 widened here: vload512, built for plain AVX-512, is not inlined into this AMX-built function
+  auto widen = [](const uint16_t* x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+  };
+  int64_t i = from;
+  for (; i + 1 < n; i += 2) {
+    const uint16_t* v0 = v + slots[i] * D + d0;
+    const uint16_t* v1 = v + slots[i + 1] * D + d0;
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) {
+      const __m512 x0 = widen(v0 + 16 * j), x1 = widen(v1 + 16 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i]), x0, acc[r][0][j]);
+        acc[r][1][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i + 1]), x1, acc[r][1][j]);
+      }
+    }
+  }
+  if (i < n) {  // an odd rank count: the last one to the even accumulators
+    const uint16_t* v0 = v + slots[i] * D + d0;
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) {
+      const __m512 x0 = widen(v0 + 16 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i]), x0, acc[r][0][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) {
+      const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(base[r] + d0 + 16 * j), _mm512_add_ps(acc[r][0][j], acc[r][1][j]));
+      _mm512_storeu_ps(out[r] + d0 + 16 * j, _mm512_mul_ps(sum, _mm512_set1_ps(inv[r])));
+    }
+}
+
+// 16-column chunks a pass: R x 2 x C accumulators, all in registers (R = 3 with 4 chunks, 24 of them and the V
+// pieces, spilled); each column's sum the same whatever the pass
 template <int R>
 void pv_rest512(const uint16_t* v, int64_t D, float* const* p, const int64_t* slots, int64_t from, int64_t n,
                 float* const* base, const float* inv, float* const* out) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
-    __m512 acc[R][2][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; j++) acc[r][0][j] = acc[r][1][j] = _mm512_setzero_ps();
-    for (int64_t i = from; i < n; i += 2) {
-      const bool odd = i + 1 < n;
-      const uint16_t* v0 = v + slots[i] * D + d0;
-      const uint16_t* v1 = v + slots[odd ? i + 1 : i] * D + d0;
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; j++)
-        if (j < chunks) {
-          // bf16 widened here: vload512, built for plain AVX-512, is not inlined into this AMX-built function
-          const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v0 + 16 * j))), 16));
-          const __m512 x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v1 + 16 * j))), 16));
-#pragma GCC unroll 4
-          for (int r = 0; r < R; r++) {
-            acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i]), x0, acc[r][0][j]);
-            if (odd) acc[r][1][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][i + 1]), x1, acc[r][1][j]);
-          }
-        }
+  constexpr int C = R == 3 ? 2 : 4;
+  for (int64_t d0 = 0; d0 < D; d0 += 16 * C) {
+    switch (std::min<int64_t>(C, (D - d0) / 16)) {
+      case 1: pv_rest_cols<R, 1>(v, D, d0, p, slots, from, n, base, inv, out); break;
+      case 2: pv_rest_cols<R, 2>(v, D, d0, p, slots, from, n, base, inv, out); break;
+      case 3: pv_rest_cols<R, 3>(v, D, d0, p, slots, from, n, base, inv, out); break;
+      default: pv_rest_cols<R, 4>(v, D, d0, p, slots, from, n, base, inv, out); break;
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < chunks; j++) {
-        const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(base[r] + d0 + 16 * j), _mm512_add_ps(acc[r][0][j], acc[r][1][j]));
-        _mm512_storeu_ps(out[r] + d0 + 16 * j, _mm512_mul_ps(sum, _mm512_set1_ps(inv[r])));
-      }
   }
 }
 
