@@ -1576,9 +1576,16 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   // heads (10.5 -> 8.6 us a layer on 2 threads)
   if (B * n_kv * T >= at::get_num_threads()) R = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
   at::parallel_for(0, B * H * T / R, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(R * (S + 4));  // scores are written four at a time
-    std::vector<int64_t> slots(S);
-    std::vector<float> qbuf(R * D), obuf(R * D);  // q rows in fp32 (bf16 q without dot products), outputs
+    // this thread's buffers, kept between calls (allocated and zero-filled each call, they cost the op at T = 1
+    // 2-10%: the AVX2 and AVX-512-BF16 builds forced on a Xeon)
+    static thread_local std::vector<float> fbuf;
+    static thread_local std::vector<int64_t> slot_buf;
+    if ((int64_t)fbuf.size() < R * (S + 4) + 2 * R * D) fbuf.resize(R * (S + 4) + 2 * R * D);
+    if ((int64_t)slot_buf.size() < S) slot_buf.resize(S);
+    int64_t* const slots = slot_buf.data();  // a row's visible slots
+    float* const scores = fbuf.data();  // R rows of S + 4: scores are written four at a time
+    float* const qbuf = scores + R * (S + 4);  // q rows in fp32 (bf16 q without dot products)
+    float* const obuf = qbuf + R * D;  // outputs
     for (int64_t i = i0; i < i1; i++) {  // i = ((b * n_kv + kv) * (group / R) + pass) * T + t
       const int64_t t = i % T, h = (i / T) % (H / R) * R, b = i / (T * (H / R));  // heads h..h+R-1 at position t
       const E* qr = qp + b * qs0 + h * qs1 + t * qs2;
@@ -1592,15 +1599,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             const uint32_t bits = (uint32_t)((const uint16_t*)qr)[r * qs1 + d] << 16;
             std::memcpy(&qbuf[r * D + d], &bits, 4);
           }
-        qf = qbuf.data(), qstride = D;
+        qf = qbuf, qstride = D;
       }
       if (level >= AVX512) {
         auto run = R == 3 ? attend_rows512<E, 3> : R == 2 ? attend_rows512<E, 2> : attend_rows512<E, 1>;
         run(dot ? nullptr : qf, dot ? (const uint16_t*)qr : nullptr, qstride, kp + kv, vp + kv, row_mask, S, D, scale,
-            scores.data(), slots.data(), obuf.data());
+            scores, slots, obuf);
       } else {
         auto run = R == 3 ? attend_rows256<E, 3> : R == 2 ? attend_rows256<E, 2> : attend_rows256<E, 1>;
-        run(qf, qstride, kp + kv, vp + kv, row_mask, S, D, scale, scores.data(), slots.data(), obuf.data());
+        run(qf, qstride, kp + kv, vp + kv, row_mask, S, D, scale, scores, slots, obuf);
       }
       for (int64_t r = 0; r < R; r++) {
         E* dst = op + b * os0 + (h + r) * os1 + t * os2;
