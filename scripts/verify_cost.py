@@ -30,7 +30,9 @@ def main():
     p.add_argument("--quant", default=None, help="a quantized variant (int8, int4.g32, ...)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=30,
+                   help="rounds of 3 forwards a size, sizes interleaved; the median is reported (with 7 the ratios "
+                        "moved by up to 0.1 between runs on a noisy host; with 40, by 0.01-0.05)")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="then the PyTorch profiler's operators for each T: the linears, attention, the compiled "
