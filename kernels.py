@@ -1897,9 +1897,8 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t most = 16 / group, threads = at::get_num_threads();
   const int64_t chunks = std::min<int64_t>(T, std::max<int64_t>((T + most - 1) / most, (2 * threads + B * n_kv - 1) / (B * n_kv)));
   at::parallel_for(0, B * n_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
-    // not zero-filled: a 1032-slot cache's buffers are ~120 KB, and filling them cost a one-token step ~1 us a layer
-    // this thread's buffers, kept between calls (~180 KB at 1,032 slots: allocated and freed each call, they
-    // cost the op 4-11% at T = 1, 1-5% at T = 5..17)
+    // this thread's buffers, kept between calls and never zero-filled (~180 KB at 1,032 slots: filled, they cost a
+    // one-token step ~1 us a layer; allocated and freed each call, the op 4-11% at T = 1, 1-5% at T = 5..17)
     static thread_local std::vector<int64_t> ibuf;
     static thread_local std::vector<float> fbuf;
     const int64_t cs_n = (S + 31) / 32 * 32 * 16, probs_n = 16 * S + 16;
