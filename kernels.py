@@ -109,6 +109,14 @@ int isa() {
   return value;
 }
 
+// A thread's scratch buffer v, kept between calls: grown to at least n elements, never shrunk or refilled (an
+// allocation, or a zero-fill, a call cost the attention op a few percent at one token)
+template <typename T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize(n);
+  return v.data();
+}
+
 enum WType { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
 
 // A packed weight (kernels.pack): blocks of 4 rows x 32 columns, each block's rows one after another (32 values,
@@ -1580,10 +1588,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     // 2-10%: the AVX2 and AVX-512-BF16 builds forced on a Xeon)
     static thread_local std::vector<float> fbuf;
     static thread_local std::vector<int64_t> slot_buf;
-    if ((int64_t)fbuf.size() < R * (S + 4) + 2 * R * D) fbuf.resize(R * (S + 4) + 2 * R * D);
-    if ((int64_t)slot_buf.size() < S) slot_buf.resize(S);
-    int64_t* const slots = slot_buf.data();  // a row's visible slots
-    float* const scores = fbuf.data();  // R rows of S + 4: scores are written four at a time
+    int64_t* const slots = scratch(slot_buf, S);  // a row's visible slots
+    float* const scores = scratch(fbuf, R * (S + 4) + 2 * R * D);  // R rows of S + 4: scores are written four at a time
     float* const qbuf = scores + R * (S + 4);  // q rows in fp32 (bf16 q without dot products)
     float* const obuf = qbuf + R * D;  // outputs
     for (int64_t i = i0; i < i1; i++) {  // i = ((b * n_kv + kv) * (group / R) + pass) * T + t
@@ -1738,12 +1744,10 @@ inline int64_t pv_tiles(int64_t n) { return n >= 64 ? (n - 32) / 32 * 32 : 0; }
 // its own row of P in block order, whatever the other rows are.
 void pv_amx(const uint16_t* v, int64_t D, const int64_t* slots, const float* probs, int64_t pstride, const int* ids,
             int rows, const int64_t* region, int64_t rmax, float* acc) {
-  static thread_local std::vector<uint16_t> a_buf;  // kept: two allocations a call were ~5% of the op at T = 5
+  static thread_local std::vector<uint16_t> a_buf;
   static thread_local std::vector<float> c_buf;
-  if ((int64_t)a_buf.size() < rows * rmax) a_buf.resize(rows * rmax);
-  if ((int64_t)c_buf.size() < rows * D) c_buf.resize(rows * D);
-  uint16_t* const a = a_buf.data();
-  float* const c_rows = c_buf.data();
+  uint16_t* const a = scratch(a_buf, rows * rmax);
+  float* const c_rows = scratch(c_buf, rows * D);
   for (int r = 0; r < rows; r++) {
     const float* p = probs + ids[r] * pstride;
     const int64_t reg = region[ids[r]];  // a multiple of 32
@@ -1902,11 +1906,9 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     static thread_local std::vector<int64_t> ibuf;
     static thread_local std::vector<float> fbuf;
     const int64_t cs_n = (S + 31) / 32 * 32 * 16, probs_n = 16 * S + 16;
-    if ((int64_t)ibuf.size() < most * S + most) ibuf.resize(most * S + most);
-    if ((int64_t)fbuf.size() < cs_n + probs_n + 16 * D + R * D) fbuf.resize(cs_n + probs_n + 16 * D + R * D);
-    int64_t* const slots = ibuf.data();  // (most, S): each position's visible slots
+    int64_t* const slots = scratch(ibuf, most * S + most);  // (most, S): each position's visible slots
     int64_t* const seen = slots + most * S;  // their counts
-    float* const cs = fbuf.data();  // the tiles' scores
+    float* const cs = scratch(fbuf, cs_n + probs_n + 16 * D + R * D);  // the tiles' scores
     float* const probs = cs + cs_n;  // (16, S): rows' scores, then numerators
     float* const acc = probs + probs_n;  // (16, D): the tiles' part of P . V
     float* const obuf = acc + 16 * D;  // (R, D): outputs
