@@ -449,32 +449,55 @@ std::vector<uint32_t> pair_layout(const Lin& a, int cols) {
   return xt;
 }
 
-// weight rows n0..n0+4*NB-1 x every activation row, a panel of cols at a time (the tiles configured for cols)
+// weight rows n0..n0+4*NB-1 x the panel of cols activation rows at xt, the sums stored into c (NB, 4, 16)
 template <int NB>
-inline void amx_blocks(const Lin& a, const uint32_t* xt, int cols, int64_t n0) {
+inline void amx_panel(const Lin& a, const uint32_t* xt, int cols, int64_t n0, bool ahead, float (*c)[4][16]) {
   const int64_t KB = a.K / 32;
-  for (int64_t m0 = 0; m0 < a.M; m0 += cols, xt += KB * 16 * cols) {
-    _tile_zero(3);
-    if (NB == 2) _tile_zero(4);
-    for (int64_t kb = 0; kb < KB; kb++) {
-      if (a.ahead_lines && m0 == 0)
-        for (int b = 0; b < NB; b++) prefetch_ahead(a, n0 + 4 * b, kb);
-      _tile_loadd(0, xt + kb * 16 * cols, 4 * cols);
-      _tile_loadd(1, a.row(n0, kb), 64);
-      _tile_dpbf16ps(3, 1, 0);
-      if (NB == 2) {
-        _tile_loadd(2, a.row(n0 + 4, kb), 64);
-        _tile_dpbf16ps(4, 2, 0);
-      }
+  _tile_zero(3);
+  if (NB == 2) _tile_zero(4);
+  for (int64_t kb = 0; kb < KB; kb++) {
+    if (ahead)
+      for (int b = 0; b < NB; b++) prefetch_ahead(a, n0 + 4 * b, kb);
+    _tile_loadd(0, xt + kb * 16 * cols, 4 * cols);
+    _tile_loadd(1, a.row(n0, kb), 64);
+    _tile_dpbf16ps(3, 1, 0);
+    if (NB == 2) {
+      _tile_loadd(2, a.row(n0 + 4, kb), 64);
+      _tile_dpbf16ps(4, 2, 0);
     }
-    float c[2][4][16];
-    _tile_stored(3, c[0], 64);
-    if (NB == 2) _tile_stored(4, c[1], 64);
-    const int mp = (int)std::min<int64_t>(cols, a.M - m0);
-    for (int b = 0; b < NB; b++)
-      for (int m = 0; m < mp; m++)
-        finish4(a, m0 + m, n0 + 4 * b, _mm_setr_ps(c[b][0][m], c[b][1][m], c[b][2][m], c[b][3][m]));
   }
+  _tile_stored(3, c[0], 64);
+  if (NB == 2) _tile_stored(4, c[1], 64);
+}
+
+template <int NB>
+inline void amx_finish(const Lin& a, const float (*c)[4][16], int cols, int64_t m0, int64_t n0) {
+  const int mp = (int)std::min<int64_t>(cols, a.M - m0);
+  for (int b = 0; b < NB; b++)
+    for (int m = 0; m < mp; m++)
+      finish4(a, m0 + m, n0 + 4 * b, _mm_setr_ps(c[b][0][m], c[b][1][m], c[b][2][m], c[b][3][m]));
+}
+
+// blocks b0..b1 of 4 * NB weight rows x every activation row, a panel of cols at a time (the tiles configured for
+// cols). One panel (up to 16 rows): a block's outputs are finished after the next block's products, when its tile
+// store has reached L1 (read right after the store, each load waited for it)
+template <int NB>
+inline void amx_blocks(const Lin& a, const uint32_t* xt, int cols, int64_t b0, int64_t b1) {
+  const int64_t KB = a.K / 32, panels = (a.M + cols - 1) / cols;
+  alignas(64) float c[2][2][4][16];
+  for (int64_t b = b0; b < b1; b++) {
+    const int64_t n0 = 4 * NB * b;
+    if (panels == 1) {
+      amx_panel<NB>(a, xt, cols, n0, a.ahead_lines, c[b & 1]);
+      if (b > b0) amx_finish<NB>(a, c[(b & 1) ^ 1], cols, 0, n0 - 4 * NB);
+      continue;
+    }
+    for (int64_t pn = 0; pn < panels; pn++) {
+      amx_panel<NB>(a, xt + pn * KB * 16 * cols, cols, n0, a.ahead_lines && pn == 0, c[0]);
+      amx_finish<NB>(a, c[0], cols, pn * cols, n0);
+    }
+  }
+  if (panels == 1 && b1 > b0) amx_finish<NB>(a, c[(b1 - 1) & 1], cols, 0, 4 * NB * (b1 - 1));
 }
 
 // bf16 weights: blocks of 8 weight rows (4 where the count is odd) meet every activation row
@@ -491,10 +514,8 @@ void run_amx(const Lin& a) {
     const std::vector<uint32_t> xt = pair_layout(p, cols);
     at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles(cols);
-      for (int64_t b = b0; b < b1; b++) {
-        if (nb == 2) amx_blocks<2>(p, xt.data(), cols, 8 * b);
-        else amx_blocks<1>(p, xt.data(), cols, 4 * b);
-      }
+      if (nb == 2) amx_blocks<2>(p, xt.data(), cols, b0, b1);
+      else amx_blocks<1>(p, xt.data(), cols, b0, b1);
       _tile_release();
     });
   }
@@ -562,44 +583,58 @@ template <int C>
 inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int64_t m0, int64_t n0) {
   const int64_t KB = a.K / 32, per = a.G / 32;
   const char* w = a.w + (n0 / 16) * (KB / 2) * 512;  // the block: K / 64 pieces of 512 bytes
-  alignas(64) uint8_t bt[2][8][512];  // two groups' B tiles (G <= 256: 8 steps of 32 columns)
-  alignas(64) int32_t sums[2][16][16];
+  // two groups' B tiles (G <= 256: 8 steps of 32 columns), two pairs of groups: the next pair's bytes are stored
+  // before this pair's tiles load theirs, so a tile load never waits for the stores just before it to reach L1
+  alignas(64) uint8_t bt[2][2][8][512];
+  alignas(64) int32_t sums[2][2][16][16];  // two pairs' sums
   __m512 acc[C];
   for (int m = 0; m < C; m++) acc[m] = _mm512_setzero_ps();
   const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
   const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
-  for (int64_t g0 = 0; g0 < a.groups; g0 += 2) {
-    const int J = a.groups - g0 >= 2 ? 2 : 1;
-    for (int j = 0; j < J; j++)
+  auto prepare = [&](int64_t g0, uint8_t (*dst)[8][512]) {
+    for (int j = 0; j < 2 && g0 + j < a.groups; j++)
       for (int64_t s = 0; s < per; s++) {
         const int64_t kb = (g0 + j) * per + s;
-        int4_b_tile(w + kb / 2 * 512, kb, bt[j][s]);
+        int4_b_tile(w + kb / 2 * 512, kb, dst[j][s]);
       }
-    _tile_zero(4);
-    if (J == 2) _tile_zero(5);
-    for (int64_t s = 0; s < per; s++) {
-      _tile_loadd(0, xb + 32 * (g0 * per + s), a.K);
-      _tile_loadd(2, bt[0][s], 64);
-      _tile_dpbsud(4, 0, 2);
-      if (J == 2) {
-        _tile_loadd(1, xb + 32 * ((g0 + 1) * per + s), a.K);
-        _tile_loadd(3, bt[1][s], 64);
-        _tile_dpbsud(5, 1, 3);
-      }
-    }
-    _tile_stored(4, sums[0], 64);
-    if (J == 2) _tile_stored(5, sums[1], 64);
+  };
+  // the sums of a pair of groups into acc, scaled, in group order; a pair's sums are read after the next pair's
+  // products are stored, when they have long reached L1 (read right after their tile store, each waited for it)
+  auto scale = [&](int64_t g0, int J) {
     for (int j = 0; j < J; j++) {
       const int64_t g = g0 + j;
       const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
       for (int m = 0; m < C; m++) {
-        const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[j][m]), 8);
-        const __m512i sum = _mm512_add_epi32(hi, _mm512_load_si512(sums[j][C + m]));
+        const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[(g0 / 2) & 1][j][m]), 8);
+        const __m512i sum = _mm512_add_epi32(hi, _mm512_load_si512(sums[(g0 / 2) & 1][j][C + m]));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc, acc[m]);
         acc[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xsum[m * a.groups + g]), acc[m]);
       }
     }
+  };
+  prepare(0, bt[0]);
+  for (int64_t g0 = 0; g0 < a.groups; g0 += 2) {
+    const int J = a.groups - g0 >= 2 ? 2 : 1;
+    uint8_t (*cur)[8][512] = bt[(g0 / 2) & 1];
+    if (g0 + 2 < a.groups) prepare(g0 + 2, bt[((g0 / 2) & 1) ^ 1]);
+    _tile_zero(4);
+    if (J == 2) _tile_zero(5);
+    for (int64_t s = 0; s < per; s++) {
+      _tile_loadd(0, xb + 32 * (g0 * per + s), a.K);
+      _tile_loadd(2, cur[0][s], 64);
+      _tile_dpbsud(4, 0, 2);
+      if (J == 2) {
+        _tile_loadd(1, xb + 32 * ((g0 + 1) * per + s), a.K);
+        _tile_loadd(3, cur[1][s], 64);
+        _tile_dpbsud(5, 1, 3);
+      }
+    }
+    _tile_stored(4, sums[(g0 / 2) & 1][0], 64);
+    if (J == 2) _tile_stored(5, sums[(g0 / 2) & 1][1], 64);
+    if (g0 >= 2) scale(g0 - 2, 2);
   }
+  const int64_t last = (a.groups - 1) / 2 * 2;
+  scale(last, (int)(a.groups - last));
   const int mp = (int)std::min<int64_t>(C, a.M - m0);
   for (int m = 0; m < mp; m++) finish16(a, m0 + m, n0, acc[m]);
 }
@@ -630,15 +665,20 @@ void byte_planes(const int16_t* xq, int64_t rows, int64_t padded, int64_t K, std
 template <int NB>
 inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const float* xsum, int cols, int64_t n0, float* acc) {
   const int64_t KB = a.K / 32, per = a.G / 32, panels = (a.M + cols - 1) / cols;
-  alignas(64) uint8_t bt[NB][8][512];
+  alignas(64) uint8_t bt[2][NB][8][512];  // this group's B tiles and the next one's (stored a group ahead, as above)
   alignas(64) int32_t c[2][16][16];
   std::memset(acc, 0, a.M * NB * 16 * sizeof(float));
-  for (int64_t g = 0; g < a.groups; g++) {
+  auto prepare = [&](int64_t g, uint8_t (*dst)[8][512]) {
     for (int b = 0; b < NB; b++)
       for (int64_t s = 0; s < per; s++) {
         const int64_t kb = g * per + s;
-        int4_b_tile(a.w + ((n0 / 16 + b) * (KB / 2) + kb / 2) * 512, kb, bt[b][s]);
+        int4_b_tile(a.w + ((n0 / 16 + b) * (KB / 2) + kb / 2) * 512, kb, dst[b][s]);
       }
+  };
+  prepare(0, bt[0]);
+  for (int64_t g = 0; g < a.groups; g++) {
+    uint8_t (*cur)[8][512] = bt[g & 1];
+    if (g + 1 < a.groups) prepare(g + 1, bt[(g & 1) ^ 1]);
     __m512 sc[NB], of[NB];
     for (int b = 0; b < NB; b++) {
       sc[b] = _mm512_loadu_ps(a.scales + ((n0 / 16 + b) * a.groups + g) * 16);
@@ -656,11 +696,11 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
         const int64_t kb = g * per + s;
         _tile_loadd(0, hi + m0 * a.K + 32 * kb, a.K);
         _tile_loadd(1, lo + m0 * a.K + 32 * kb, a.K);
-        _tile_loadd(2, bt[0][s], 64);
+        _tile_loadd(2, cur[0][s], 64);
         _tile_dpbsud(4, 0, 2);
         _tile_dpbuud(5, 1, 2);
         if (NB == 2) {
-          _tile_loadd(3, bt[NB - 1][s], 64);
+          _tile_loadd(3, cur[NB - 1][s], 64);
           _tile_dpbsud(6, 0, 3);
           _tile_dpbuud(7, 1, 3);
         }
@@ -768,7 +808,7 @@ inline void configure_tiles_i8_tall(int rows) {  // rows: the A tiles', 2c + 1
 // lo' . w + 128 w . 1 in double (exact), rounded to fp32 once: the exact integer dot product, as before. With the
 // weights as A (16 rows a product whatever M, two products per 32 columns) the products were the bound.
 template <int P>
-inline void amx_i8_tall_block(const Lin& a, const int8_t* xb, int c, int64_t m0, int64_t n0) {
+inline void amx_i8_tall_products(const Lin& a, const int8_t* xb, int c, int64_t n0) {
   const int64_t KP = a.K / 64, prow = (2 * c + 1) * a.K;
   const char* w = a.w + (n0 / 16) * KP * 1024;
   _tile_zero(4);
@@ -790,13 +830,18 @@ inline void amx_i8_tall_block(const Lin& a, const int8_t* xb, int c, int64_t m0,
       _tile_dpbssd(6, 3, 0);
     }
   }
-  alignas(64) int32_t sums[16][16];
-  for (int pn = 0; pn < P; pn++) {
-    if (pn == 0) _tile_stored(4, sums, 64);  // the tile numbers are immediates
-    else if (pn == 1) _tile_stored(5, sums, 64);
-    else _tile_stored(6, sums, 64);
-    const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
-    for (int64_t m = 0; m < mp; m++) {
+}
+
+inline void store_sums(int pn, int32_t* sums) {  // panel pn's sums (the tile numbers are immediates)
+  if (pn == 0) _tile_stored(4, sums, 64);
+  else if (pn == 1) _tile_stored(5, sums, 64);
+  else _tile_stored(6, sums, 64);
+}
+
+// panel pn's outputs of block n0 from its sums, each rounded once
+inline void amx_i8_tall_finish(const Lin& a, const int32_t (*sums)[16], int c, int64_t m0, int pn, int64_t n0) {
+  const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
+  for (int64_t m = 0; m < mp; m++) {
       __m256 t[2];
       for (int h = 0; h < 2; h++) {
         const __m512d hi = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[m] + 8 * h)));
@@ -807,7 +852,6 @@ inline void amx_i8_tall_block(const Lin& a, const int8_t* xb, int c, int64_t m0,
         t[h] = _mm512_cvtpd_ps(s);
       }
       finish16(a, m0 + pn * c + m, n0, _mm512_insertf32x8(_mm512_castps256_ps512(t[0]), t[1], 1));
-    }
   }
 }
 
@@ -823,11 +867,25 @@ void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
     const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles_i8_tall(2 * c + 1);
+      // one panel: a block's outputs are finished after the next block's products, when its tile store has reached
+      // L1 (read right after the store, each load waited for it: 5 rows 3-8% slower); 2-3 panels (9+ rows) store
+      // and finish panel by panel (finished a block later, 17 rows ran 1-14% slower)
+      alignas(64) int32_t sums[2][16][16];
       for (int64_t b = b0; b < b1; b++) {
-        if (panels == 1) amx_i8_tall_block<1>(a, xb, c, p0, 16 * b);
-        else if (panels == 2) amx_i8_tall_block<2>(a, xb, c, p0, 16 * b);
-        else amx_i8_tall_block<3>(a, xb, c, p0, 16 * b);
+        if (panels == 1) {
+          amx_i8_tall_products<1>(a, xb, c, 16 * b);
+          store_sums(0, &sums[b & 1][0][0]);
+          if (b > b0) amx_i8_tall_finish(a, sums[(b & 1) ^ 1], c, p0, 0, 16 * (b - 1));
+          continue;
+        }
+        if (panels == 2) amx_i8_tall_products<2>(a, xb, c, 16 * b);
+        else amx_i8_tall_products<3>(a, xb, c, 16 * b);
+        for (int pn = 0; pn < panels; pn++) {
+          store_sums(pn, &sums[0][0][0]);
+          amx_i8_tall_finish(a, sums[0], c, p0, pn, 16 * b);
+        }
       }
+      if (panels == 1 && b1 > b0) amx_i8_tall_finish(a, sums[((b1 - 1) & 1)], c, p0, 0, 16 * (b1 - 1));
       _tile_release();
     });
   }
