@@ -639,6 +639,81 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
   for (int m = 0; m < mp; m++) finish16(a, m0 + m, n0, acc[m]);
 }
 
+// Up to 4 rows and 32-column groups: two groups in one product. A pair of groups' A tile is 4c rows of 64 bytes, the
+// c rows' high then low bytes of the first group in its first 32 columns and zeros in the next 32, the second group's
+// the other way round; B is both groups' bytes, 16 rows (the 512 packed bytes' low nibbles, then their high ones),
+// so one product sums each group apart (the zeros meet the other group's bytes): half the products, tile loads and
+// stores of amx_i4_panel, the same integers, the same instructions after them, so the same outputs
+inline void configure_tiles_i4_pairs(int c) {
+  TileConfig t;
+  t.rows[0] = 4 * c, t.colsb[0] = 64;  // A: a pair of groups
+  t.rows[2] = 16, t.colsb[2] = 64;     // B: both groups' bytes
+  t.rows[4] = 4 * c, t.colsb[4] = 64;  // C: the sums
+  load_tile_config(t);
+}
+
+// rows of xq (M <= 4) as pairs of groups: (K / 64, 4M, 64) bytes, as above
+void pair_bytes(const int16_t* xq, int64_t M, int64_t K, std::vector<int8_t>& out) {
+  const int64_t rows = 4 * M;
+  out.assign(K / 64 * rows * 64, 0);
+  const __m512i round = _mm512_set1_epi16(128);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K; k += 32) {
+      const int j = (int)((k / 32) & 1);
+      const __m512i v = _mm512_loadu_si512(xq + m * K + k);
+      int8_t* hi = out.data() + ((k / 64) * rows + 2 * M * j + m) * 64 + 32 * j;
+      _mm256_storeu_si256((__m256i*)hi, _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_add_epi16(v, round), 8)));
+      _mm256_storeu_si256((__m256i*)(hi + M * 64), _mm512_cvtepi16_epi8(v));
+    }
+}
+
+// one weight block (16 rows from n0) x the C <= 4 activation rows (xp: pair_bytes'), pairs of groups in turn: the
+// next pair's B bytes stored and a pair's sums scaled a pair later, as in amx_i4_panel
+template <int C>
+inline void amx_i4_pairs(const Lin& a, const int8_t* xp, const float* xsum, int64_t n0) {
+  const int64_t pairs = a.K / 64;
+  const char* w = a.w + (n0 / 16) * pairs * 512;
+  alignas(64) uint8_t bt[2][1024];
+  alignas(64) int32_t sums[2][16][16];
+  __m512 acc[C];
+  for (int m = 0; m < C; m++) acc[m] = _mm512_setzero_ps();
+  const float* bsc = a.scales + (n0 / 16) * a.groups * 16;
+  const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+  auto prepare = [&](int64_t p, uint8_t* dst) {
+    const char* src = w + p * 512;
+    for (int l = 0; l < 8; l++) _mm_prefetch(src + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
+    for (int l = 0; l < 8; l++) {
+      const __m512i v = _mm512_loadu_si512(src + 64 * l);
+      _mm512_store_si512(dst + 64 * l, _mm512_and_si512(v, _mm512_set1_epi8(15)));
+      _mm512_store_si512(dst + 512 + 64 * l, _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)));
+    }
+  };
+  auto scale = [&](int64_t p) {
+    for (int j = 0; j < 2; j++) {
+      const int64_t g = 2 * p + j;
+      const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+      for (int m = 0; m < C; m++) {
+        const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[p & 1][2 * C * j + m]), 8);
+        const __m512i sum = _mm512_add_epi32(hi, _mm512_load_si512(sums[p & 1][2 * C * j + C + m]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc, acc[m]);
+        acc[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xsum[m * a.groups + g]), acc[m]);
+      }
+    }
+  };
+  prepare(0, bt[0]);
+  for (int64_t p = 0; p < pairs; p++) {
+    if (p + 1 < pairs) prepare(p + 1, bt[(p + 1) & 1]);
+    _tile_zero(4);
+    _tile_loadd(0, xp + p * 4 * C * 64, 64);
+    _tile_loadd(2, bt[p & 1], 64);
+    _tile_dpbsud(4, 0, 2);
+    _tile_stored(4, sums[p & 1], 64);
+    if (p > 0) scale(p - 1);
+  }
+  scale(pairs - 1);
+  for (int m = 0; m < C && m < a.M; m++) finish16(a, m, n0, acc[m]);
+}
+
 // More than 7 rows: the high and the low bytes as two A tiles of up to 16 rows each (no row of ones: the low bytes
 // as they are, unsigned, TDPBUUD), two blocks a step, the sums in memory; the same integers, the same instructions
 // after them, so the same outputs as amx_i4_panel. (Panels of 7 in registers re-read the weights for every panel:
@@ -759,7 +834,9 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     const bool wide = p.M > PANEL_ROWS;
     const int64_t most = wide ? 16 : PANEL_ROWS, panels = (p.M + most - 1) / most;
     const int c = (int)((p.M + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
+    const bool in_pairs = a.G == 32 && p.M <= 4;  // two groups a product (amx_i4_pairs)
     if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xbytes, xlow);
+    else if (in_pairs) pair_bytes(a.xq + p0 * a.K, p.M, a.K, xbytes);
     else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, false, xbytes);
     xsum.assign(panels * c * a.groups, 0.0f);  // padding rows: zeros
     for (int64_t m = 0; m < p.M; m++)
@@ -771,6 +848,21 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     const int8_t* xb = xbytes.data();  // this thread's buffers (a worker's would be its own)
     const uint8_t* xl = xlow.data();
     const float* xs = xsum.data();
+    if (in_pairs) {
+      at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+        configure_tiles_i4_pairs(c);
+        for (int64_t b = b0; b < b1; b++) {
+          switch (c) {
+            case 1: amx_i4_pairs<1>(p, xb, xs, 16 * b); break;
+            case 2: amx_i4_pairs<2>(p, xb, xs, 16 * b); break;
+            case 3: amx_i4_pairs<3>(p, xb, xs, 16 * b); break;
+            default: amx_i4_pairs<4>(p, xb, xs, 16 * b); break;
+          }
+        }
+        _tile_release();
+      });
+      continue;
+    }
     if (!wide) {
       at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
         configure_tiles_i4(2 * c);

@@ -139,7 +139,8 @@ def test_int8_tiles_layout_on_amx():
 def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
     """The AMX build multiplies int4 weights (tall blocks) by x rounded to 16-bit integers a row, exact integer sums a
     group, then scale and offset: the outputs are those of round_rows16(x, 32639) @ the dequantized weight, to fp32's
-    rounding, at every M (one tile of 2c rows up to 7 rows, two tiles of up to 16 above), at the largest products
+    rounding, at every M (32-column groups up to 4 rows: two groups a product, each in its own half of K; one tile
+    of 2c rows up to 7 rows, two tiles of up to 16 above), at the largest products
     (no integer overflow; x = +-32639 splits into signed bytes), with a row of zeros and rows holding a NaN or an inf."""
     if kernels.isa() != "amx":
         pytest.skip("the AMX build's int4 path (a Xeon with AMX tiles)")
@@ -165,7 +166,7 @@ def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
     assert y[1, 0].item() == pytest.approx(-(15 * scales[0] + offsets[0]).sum().item() * G, rel=1e-4)
     # not the float sums: x rounded to 16 bits is a different (and, here, visible) result
     assert not torch.allclose(y[0], F.linear(x[0:1].double(), dense).float()[0], rtol=1e-7, atol=0)
-    for M in (1, 2, 5, 7, 8, 9, 16, 17, 33):  # bit for bit (NaN rows: NaN)
+    for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33):  # bit for bit (NaN rows: NaN)
         torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, offsets), y[:M], rtol=0, atol=0,
                                    equal_nan=True, msg=f"M={M}")
     # the scales and offsets laid out as the tiles read them (what quantize.py keeps): the same outputs
