@@ -531,7 +531,10 @@ void run_amx(const Lin& a) {
 // and one store of its sums a group of 32 columns and 16 weight rows, whatever c is; then each (row, group) adds
 // sum * scale + offset * (the group's sum of x) in fp32, in group order, the same instructions whatever M is.
 // (The high and low bytes as two tiles cost twice the products and the stores, and the stores, ~20 cycles each
-// whatever the rows, were the bound: 30 layers' linears at one row 4.8 ms, 3.7 with one tile.)
+// whatever the rows, were the bound: 30 layers' linears at one row 4.8 ms, 3.7 with one tile.) Up to 4 rows, 32-column
+// groups share a product two at a time (amx_i4_pairs). The B bytes are written a step before a tile loads them and
+// the sums read a step after their tile store: a tile load does not take data from stores still in flight, and the
+// one-row path waited on that chain for most of its time (85% of it with the weights in L2).
 constexpr int PANEL_ROWS = 7;  // activation rows a panel (int4: 2 x 7 = 14 tile rows; int8: 2 x 7 + 1 = 15)
 
 inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c
@@ -934,16 +937,16 @@ inline void store_sums(int pn, int32_t* sums) {  // panel pn's sums (the tile nu
 inline void amx_i8_tall_finish(const Lin& a, const int32_t (*sums)[16], int c, int64_t m0, int pn, int64_t n0) {
   const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
   for (int64_t m = 0; m < mp; m++) {
-      __m256 t[2];
-      for (int h = 0; h < 2; h++) {
-        const __m512d hi = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[m] + 8 * h)));
-        const __m512d lo = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[c + m] + 8 * h)));
-        const __m512d ones = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * c] + 8 * h)));
-        const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(hi, _mm512_set1_pd(256.0)), lo),
-                                        _mm512_mul_pd(ones, _mm512_set1_pd(128.0)));
-        t[h] = _mm512_cvtpd_ps(s);
-      }
-      finish16(a, m0 + pn * c + m, n0, _mm512_insertf32x8(_mm512_castps256_ps512(t[0]), t[1], 1));
+    __m256 t[2];
+    for (int h = 0; h < 2; h++) {
+      const __m512d hi = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[m] + 8 * h)));
+      const __m512d lo = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[c + m] + 8 * h)));
+      const __m512d ones = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * c] + 8 * h)));
+      const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(hi, _mm512_set1_pd(256.0)), lo),
+                                      _mm512_mul_pd(ones, _mm512_set1_pd(128.0)));
+      t[h] = _mm512_cvtpd_ps(s);
+    }
+    finish16(a, m0 + pn * c + m, n0, _mm512_insertf32x8(_mm512_castps256_ps512(t[0]), t[1], 1));
   }
 }
 
@@ -961,7 +964,7 @@ void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
       configure_tiles_i8_tall(2 * c + 1);
       // one panel: a block's outputs are finished after the next block's products, when its tile store has reached
       // L1 (read right after the store, each load waited for it: 5 rows 3-8% slower); 2-3 panels (9+ rows) store
-      // and finish panel by panel (finished a block later, 17 rows ran 1-14% slower)
+      // and finish panel by panel, as before (finished a block later, 17 rows measured 1-14% slower in one run)
       alignas(64) int32_t sums[2][16][16];
       for (int64_t b = b0; b < b1; b++) {
         if (panels == 1) {
