@@ -578,6 +578,16 @@ inline void int4_b_tile(const char* p, int64_t kb, uint8_t* dst) {
   }
 }
 
+// one (row, group) of int4 sums into its accumulator: the group's exact integer dot product (256 hi + lo, hi and lo
+// the tiles' sums of the high and the low bytes) times the scale, plus the offset times the group's sum of x; every
+// int4 tile path adds its groups through this, in group order, so every M gives the same bits
+__attribute__((always_inline)) inline __m512 add_group(__m512 acc, const int32_t* hi, const int32_t* lo, __m512 scale,
+                                                       __m512 offset, float xsum) {
+  const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi), 8), _mm512_load_si512(lo));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+  return _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum), acc);
+}
+
 // one weight block (16 rows from n0) x the C activation rows m0.. of one panel (xb: its 2C + 1 rows of bytes, xsum:
 // its group sums), the sums in registers; rows past M are zeros, computed and thrown away. Two groups at a time,
 // each with its own A, B and C tiles: a group's chain (B's bytes stored, loaded, multiplied, the sums stored and
@@ -607,12 +617,8 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
     for (int j = 0; j < J; j++) {
       const int64_t g = g0 + j;
       const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
-      for (int m = 0; m < C; m++) {
-        const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[(g0 / 2) & 1][j][m]), 8);
-        const __m512i sum = _mm512_add_epi32(hi, _mm512_load_si512(sums[(g0 / 2) & 1][j][C + m]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc, acc[m]);
-        acc[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xsum[m * a.groups + g]), acc[m]);
-      }
+      for (int m = 0; m < C; m++)
+        acc[m] = add_group(acc[m], sums[(g0 / 2) & 1][j][m], sums[(g0 / 2) & 1][j][C + m], sc, of, xsum[m * a.groups + g]);
     }
   };
   prepare(0, bt[0]);
@@ -695,12 +701,9 @@ inline void amx_i4_pairs(const Lin& a, const int8_t* xp, const float* xsum, int6
     for (int j = 0; j < 2; j++) {
       const int64_t g = 2 * p + j;
       const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
-      for (int m = 0; m < C; m++) {
-        const __m512i hi = _mm512_slli_epi32(_mm512_load_si512(sums[p & 1][2 * C * j + m]), 8);
-        const __m512i sum = _mm512_add_epi32(hi, _mm512_load_si512(sums[p & 1][2 * C * j + C + m]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc, acc[m]);
-        acc[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xsum[m * a.groups + g]), acc[m]);
-      }
+      for (int m = 0; m < C; m++)
+        acc[m] = add_group(acc[m], sums[p & 1][2 * C * j + m], sums[p & 1][2 * C * j + C + m], sc, of,
+                           xsum[m * a.groups + g]);
     }
   };
   prepare(0, bt[0]);
@@ -793,10 +796,8 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
           _tile_stored(7, c[1], 64);
         }
         for (int64_t m = 0; m < mp; m++) {
-          const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[0][m]), 8), _mm512_load_si512(c[1][m]));
           float* r = acc + ((m0 + m) * NB + b) * 16;
-          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc[b], _mm512_load_ps(r));
-          _mm512_store_ps(r, _mm512_fmadd_ps(of[b], _mm512_set1_ps(xsum[(m0 + m) * a.groups + g]), v));
+          _mm512_store_ps(r, add_group(_mm512_load_ps(r), c[0][m], c[1][m], sc[b], of[b], xsum[(m0 + m) * a.groups + g]));
         }
       }
     }
