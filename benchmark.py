@@ -322,7 +322,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no_compile", action="store_true", help="eager decoding (compiled by default)")
-    p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++ (CPU)")
+    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled graphs launch their kernels from C++ (CPU; default: as generate.py, on for a CPU in "
+                        "one process)")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     # unset tree flags take generate.py's default for each method's weights (gen.default_tree)
     p.add_argument("--depth", type=int, default=None)
@@ -336,6 +338,8 @@ def main(argv=None):
         die(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
     if args.max_new_tokens < 1:
         die("--max_new_tokens must be at least 1")
+    if args.cpp_wrapper is None:
+        args.cpp_wrapper = gen.default_cpp_wrapper(args.device)
     if args.limit < 0:
         die("--limit must be 0 (all) or more")
     try:

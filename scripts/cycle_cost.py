@@ -52,10 +52,14 @@ def main():
     p.add_argument("--total_tokens", type=int, default=None)
     p.add_argument("--speculate_k", type=int, default=None)
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled graphs launch their kernels from C++ (default: as generate.py, on)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then profile 30 cycles and 30 plain steps and print the N operators and Inductor kernels "
                         "with the most time a call (compiled with Inductor's kernel profiling: a cold compile)")
     args = p.parse_args()
+    if args.cpp_wrapper is None:
+        args.cpp_wrapper = gen.default_cpp_wrapper("cpu")
     gen.fill_tree_defaults(args, args.quant or args.dtype, "cpu")
     if (msg := gen.check_tree(args)) is not None:
         gen.die(msg)
@@ -76,7 +80,7 @@ def main():
         tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True))
     if args.profile:  # each C++ kernel of a compiled graph reports to the profiler under its own name
         torch._inductor.config.cpp.enable_kernel_profile = True
-    gen.compile_steps()
+    gen.compile_steps(cpp_wrapper=args.cpp_wrapper)
 
     # a real state: the prompt and 64 generated tokens, then the inputs the next cycle gets
     ids = torch.tensor(prompt, dtype=torch.int)
@@ -127,7 +131,8 @@ def main():
     ms = {k: statistics.median(v) for k, v in times.items()}
     plain, cycle = ms["plain decode step"], ms["whole cycle, compiled call + host sync"]
     per_cycle_loop = (long_ms - short_ms) / max(long_cycles - short_cycles, 1)
-    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, compiled, kernels {kernels.isa()}, "
+    launcher = " (C++ launcher)" if args.cpp_wrapper else ""
+    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, compiled{launcher}, kernels {kernels.isa()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; tree {args.tree}, {N1 - 1} nodes, "
           f"prefix {int(L)} tokens")
     print("| part | ms | in plain steps |\n|---|---|---|")

@@ -20,8 +20,10 @@ import kernels  # noqa: E402
 def weight(kind, N, K):
     """(packed, scales, offsets) of a random N x K weight."""
     if kind == "int4":
-        return (kernels.pack(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)), torch.rand(N, K // 32) / 15,
-                -torch.rand(N, K // 32))
+        packed = kernels.pack(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8))
+        # the scales and offsets laid out as quantize.py stores them (as the tiles read them on AMX)
+        return (packed, kernels.tile_groups(torch.rand(N, K // 32) / 15, packed),
+                kernels.tile_groups(-torch.rand(N, K // 32), packed))
     if kind == "int8":
         return kernels.pack(torch.randint(-127, 128, (N, K), dtype=torch.int8)), torch.rand(N) / 127, None
     return kernels.pack(torch.randn(N, K).bfloat16() / K ** 0.5), None, None

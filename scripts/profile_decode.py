@@ -41,9 +41,12 @@ def main():
     p.add_argument("--prefix", type=int, default=200)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--no_compile", action="store_true")
-    p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++")
+    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled graphs launch their kernels from C++ (default: as generate.py, on)")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
+    if args.cpp_wrapper is None:
+        args.cpp_wrapper = gen.default_cpp_wrapper("cpu")
     model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     model.setup_caches(1, args.prefix + args.steps + 8)
     if not args.no_compile:
@@ -67,7 +70,7 @@ def main():
     ms = statistics.median(times) * 1e3
     weights = model_size_bytes(model)
     floor_ms = weights / bandwidth * 1e3
-    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (cpp_wrapper)' if args.cpp_wrapper else '')}, "
+    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (C++ launcher)' if args.cpp_wrapper else '')}, "
           f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"weights read per token: {weights / 2**20:.0f} MiB; read bandwidth: {bandwidth / 1e9:.1f} GB/s; "
           f"floor {floor_ms:.1f} ms/token ({1e3 / floor_ms:.0f} tokens/s)")

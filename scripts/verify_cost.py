@@ -37,10 +37,13 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="then the PyTorch profiler's operators for each T: the linears, attention, the compiled "
                         "graph's own kernels, ms a forward")
-    p.add_argument("--cpp_wrapper", action="store_true", help="compiled graphs launch their kernels from C++")
+    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled graphs launch their kernels from C++ (default: as generate.py, on)")
     p.add_argument("--small_t", type=int, default=None,
                    help="use the matmul attention up to this many query tokens (model.SMALL_T; 0 = SDPA always)")
     args = p.parse_args()
+    if args.cpp_wrapper is None:
+        args.cpp_wrapper = gen.default_cpp_wrapper("cpu")
     if args.small_t is not None:
         model_module.SMALL_T = args.small_t
     model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
@@ -75,7 +78,7 @@ def main():
                         step(*inputs[T])
                     times[T].append((time.perf_counter() - t0) / 3)
     base = statistics.median(times[args.sizes[0]])
-    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (cpp_wrapper)' if args.cpp_wrapper else '')}, prefix {args.prefix}, "
+    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (C++ launcher)' if args.cpp_wrapper else '')}, prefix {args.prefix}, "
           f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
     for T in args.sizes:

@@ -278,17 +278,18 @@ def test_real_model_bf16_compiled_eagle_equals_plain_on_mt_bench(default_checkpo
     model = load_model(default_checkpoint, "cpu", torch.bfloat16)
     drafter = Drafter(load_head(DEFAULT_HEAD, model, "cpu", torch.bfloat16), "dynamic")
     prompts = load_prompts(gen.ROOT / "data" / "mt_bench.jsonl", real_tokenizer, model.checkpoint_config, 20)
-    original = (gen.decode_one_token, gen.eagle_cycle)
+    config = torch._inductor.config
+    original = (gen.decode_one_token, gen.eagle_cycle), (config.cpp_wrapper, config.cpp_wrapper_build_separate)
     cache = max(len(ids) for _, ids in prompts) + 128 + drafter.headroom  # one size: one graph per step kind
     try:
-        gen.compile_steps()
+        gen.compile_steps(cpp_wrapper=gen.default_cpp_wrapper("cpu"))  # the launcher generate.py picks
         parted = []
         for pid, ids in prompts:
             plain, spec, _ = plain_and_spec(model, drafter, torch.tensor(ids, dtype=torch.int), 128, cache)
             if spec != plain:
                 parted.append((pid, next(i for i, (a, b) in enumerate(zip(plain, spec)) if a != b)))
     finally:
-        gen.decode_one_token, gen.eagle_cycle = original
+        (gen.decode_one_token, gen.eagle_cycle), (config.cpp_wrapper, config.cpp_wrapper_build_separate) = original
     assert len(prompts) == 20 and not parted, parted
 
 

@@ -108,16 +108,18 @@ def test_cpp_wrapper_steps_match_eager():
     model.setup_caches(1, 96)
     eager, _ = generate(model, prompt, 32, temperature=0)
     eager_spec, _ = generate(model, prompt, 32, temperature=0, draft=drafter)
-    original, setting = (gen.decode_one_token, gen.eagle_cycle), torch._inductor.config.cpp_wrapper
+    config = torch._inductor.config
+    original, setting = (gen.decode_one_token, gen.eagle_cycle), (config.cpp_wrapper, config.cpp_wrapper_build_separate)
     torch._dynamo.reset()  # graphs other tests compiled from the same functions would be reused
     try:
         gen.compile_steps("cpu", cpp_wrapper=True)
+        assert config.cpp_wrapper_build_separate  # the launcher at -O1, apart from the kernels
         (plain, _), code = run_and_get_code(lambda: generate(model, prompt, 32, temperature=0))
         assert plain == eager
         assert generate(model, prompt, 32, temperature=0, draft=drafter)[0] == eager_spec == eager
     finally:
         gen.decode_one_token, gen.eagle_cycle = original
-        torch._inductor.config.cpp_wrapper = setting
+        config.cpp_wrapper, config.cpp_wrapper_build_separate = setting
         torch._dynamo.reset()
     launcher = "\n".join(code)
     assert "aoti_torch" in launcher and ("eagle_fast::linear" in launcher or not kernels.load())
@@ -254,15 +256,20 @@ def test_cuda_graph_steps_match_eager_on_cuda():
         gen.decode_one_token, gen.eagle_cycle = original
 
 
-def test_defaults_pick_the_fastest_exact_configuration():
+def test_defaults_pick_the_fastest_exact_configuration(monkeypatch):
     """No flags: bf16 where kernels.py runs (exact EAGLE in bf16), float32 where it cannot; compiled where a C++
-    compiler is found. Explicit flags are kept."""
+    compiler is found, with the C++ launcher on a CPU in one process. Explicit flags are kept."""
     import kernels
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = gen.resolve_defaults(gen.build_parser().parse_args([]))
     assert args.dtype == ("bfloat16" if kernels.load() else "float32")
-    assert args.compile is True  # this machine has g++ (torch.compile needs it)
-    args = gen.resolve_defaults(gen.build_parser().parse_args(["--dtype", "float32", "--no-compile"]))
-    assert args.dtype == "float32" and args.compile is False
+    assert args.compile is True and args.cpp_wrapper is True  # this machine has g++ (torch.compile needs it)
+    args = gen.resolve_defaults(gen.build_parser().parse_args(["--dtype", "float32", "--no-compile", "--no-cpp_wrapper"]))
+    assert args.dtype == "float32" and args.compile is False and args.cpp_wrapper is False
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: the Python launcher unless asked
+    assert gen.resolve_defaults(gen.build_parser().parse_args([])).cpp_wrapper is False
+    assert gen.resolve_defaults(gen.build_parser().parse_args(["--cpp_wrapper"])).cpp_wrapper is True
+    assert gen.default_cpp_wrapper("cuda") is False
 
 
 @pytest.mark.parametrize("isa, argv, dtype, quant", [
