@@ -525,7 +525,7 @@ def build_parser():
                         "runs reuse the cache in $TORCHINDUCTOR_CACHE_DIR (default: .inductor-cache here)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
     p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU: compiled graphs launch their kernels from C++, not Python (13-15%% more tokens/s on an "
+                   help="CPU: compiled graphs launch their kernels from C++, not Python (5-15%% more tokens/s on an "
                         "AMX Xeon, ~5 s more cold compile). Default: on for a CPU in one process; --no-cpp_wrapper "
                         "for the Python launcher")
     p.add_argument("--draft", default=None,
