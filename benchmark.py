@@ -323,8 +323,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--no_compile", action="store_true", help="eager decoding (compiled by default)")
     p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
-                   help="compiled graphs launch their kernels from C++ (CPU; default: as generate.py, on for a CPU in "
-                        "one process)")
+                   help="compiled graphs launch their kernels from C++ (CPU; default: as generate.py, on for a CPU)")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     # unset tree flags take generate.py's default for each method's weights (gen.default_tree)
     p.add_argument("--depth", type=int, default=None)
