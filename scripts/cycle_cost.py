@@ -52,14 +52,12 @@ def main():
     p.add_argument("--total_tokens", type=int, default=None)
     p.add_argument("--speculate_k", type=int, default=None)
     p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
-                   help="compiled graphs launch their kernels from C++ (default: as generate.py, on)")
+    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=True,
+                   help="compiled graphs launch their kernels from C++ (as generate.py does on a CPU)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then profile 30 cycles and 30 plain steps and print the N operators and Inductor kernels "
                         "with the most time a call (compiled with Inductor's kernel profiling: a cold compile)")
     args = p.parse_args()
-    if args.cpp_wrapper is None:
-        args.cpp_wrapper = gen.default_cpp_wrapper("cpu")
     gen.fill_tree_defaults(args, args.quant or args.dtype, "cpu")
     if (msg := gen.check_tree(args)) is not None:
         gen.die(msg)

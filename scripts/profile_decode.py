@@ -41,12 +41,10 @@ def main():
     p.add_argument("--prefix", type=int, default=200)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--no_compile", action="store_true")
-    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
-                   help="compiled graphs launch their kernels from C++ (default: as generate.py, on)")
+    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=True,
+                   help="compiled graphs launch their kernels from C++ (as generate.py does on a CPU)")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
-    if args.cpp_wrapper is None:
-        args.cpp_wrapper = gen.default_cpp_wrapper("cpu")
     model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     model.setup_caches(1, args.prefix + args.steps + 8)
     if not args.no_compile:

@@ -37,13 +37,11 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="then the PyTorch profiler's operators for each T: the linears, attention, the compiled "
                         "graph's own kernels, ms a forward")
-    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=None,
-                   help="compiled graphs launch their kernels from C++ (default: as generate.py, on)")
+    p.add_argument("--cpp_wrapper", action=argparse.BooleanOptionalAction, default=True,
+                   help="compiled graphs launch their kernels from C++ (as generate.py does on a CPU)")
     p.add_argument("--small_t", type=int, default=None,
                    help="use the matmul attention up to this many query tokens (model.SMALL_T; 0 = SDPA always)")
     args = p.parse_args()
-    if args.cpp_wrapper is None:
-        args.cpp_wrapper = gen.default_cpp_wrapper("cpu")
     if args.small_t is not None:
         model_module.SMALL_T = args.small_t
     model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
