@@ -545,25 +545,87 @@ inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c
   load_tile_config(c);
 }
 
-// rows m of xq as panels of c: (panels, 2c + ones, K) bytes, the high bytes, then the low ones, zeros past M.
-// ones (int8): the low bytes less 128 and a row of ones, whose sum q . 1 puts the 128 back; else (int4, x within
-// +-32639: qmax) both bytes signed, x = 256 hi + lo with hi = (x + 128) >> 8 and lo the low byte read as signed
-void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, bool ones, std::vector<int8_t>& out) {
-  const int64_t panels = (M + c - 1) / c, rows = 2 * c + ones;
+// rows m of xq as int4's panels of c: (panels, 2c, K) bytes, the high bytes, then the low ones, zeros past M; x
+// within +-32639 (qmax), both bytes signed, x = 256 hi + lo with hi = (x + 128) >> 8 and lo the low byte read as signed
+void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector<int8_t>& out) {
+  const int64_t panels = (M + c - 1) / c, rows = 2 * c;
   out.assign(panels * rows * K, 0);
-  const __m512i round = _mm512_set1_epi16(ones ? 0 : 128);
-  const __m256i flip = _mm256_set1_epi8(ones ? -128 : 0);
+  const __m512i round = _mm512_set1_epi16(128);
   for (int64_t m = 0; m < M; m++) {
     int8_t* hi = out.data() + ((m / c) * rows + m % c) * K;
     int8_t* lo = hi + c * K;
     for (int64_t k = 0; k < K; k += 32) {
       const __m512i v = _mm512_loadu_si512(xq + m * K + k);
       _mm256_storeu_si256((__m256i*)(hi + k), _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_add_epi16(v, round), 8)));
-      _mm256_storeu_si256((__m256i*)(lo + k), _mm256_xor_si256(_mm512_cvtepi16_epi8(v), flip));
+      _mm256_storeu_si256((__m256i*)(lo + k), _mm512_cvtepi16_epi8(v));
     }
   }
-  if (ones)
-    for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * rows + 2 * c) * K, 1, K);
+}
+
+// int8's panels of c straight from x (fp32 or bf16, E), each row's scale into xs: (panels, 2c + 1, K) bytes, the high
+// bytes of the row's 16-bit integers (quantize_rows16's, bit for bit, not written out), then the low ones less 128,
+// zeros past M, and a row of ones, whose sum q . 1 puts the 128 back. 32 values a step: a row's maximum on the bits of
+// |x| (for floats that are not NaN the larger value has the larger bits; inf and NaN have the largest), then the
+// integers, split into bytes by two shuffles. Against quantize_rows16 and a pass over its integers (256-bit, every
+// byte zeroed first), 30 layers' linears at 5 rows ran ~5% faster (docs/performance.md, forty-third session).
+inline void split_bytes(__m512i q16, int8_t* hi, int8_t* lo) {  // 32 16-bit integers in order: high bytes, low ^ 128
+  const __m512i within = _mm512_set4_epi32(0x0e0c0a08, 0x06040200, 0x0f0d0b09, 0x07050301);  // a lane: high, low
+  const __m512i b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_shuffle_epi8(q16, within));
+  _mm256_storeu_si256((__m256i*)hi, _mm512_castsi512_si256(b));
+  _mm256_storeu_si256((__m256i*)lo, _mm256_xor_si256(_mm512_extracti64x4_epi64(b, 1), _mm256_set1_epi8(-128)));
+}
+template <typename E>
+void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, std::vector<int8_t>& out) {
+  const int64_t panels = (M + c - 1) / c, rows = 2 * c + 1;
+  out.resize(panels * rows * K);  // every byte written below
+  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), high16 = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32768);
+  for (int64_t m = 0; m < panels * c; m++) {
+    int8_t* hi = out.data() + ((m / c) * rows + m % c) * K;
+    int8_t* lo = hi + c * K;
+    if (m >= M) {  // a panel's rows past M: zeros
+      std::memset(hi, 0, K), std::memset(lo, 0, K);
+      continue;
+    }
+    const E* r = x + m * K;
+    __m512i mx = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 32) {
+      if (sizeof(E) == 4) {
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(r + k), abs_bits));
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(r + k + 16), abs_bits));
+      } else {  // 32 bf16: the even ones as floats shifted up, the odd ones masked in place
+        const __m512i v = _mm512_loadu_si512(r + k);
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_slli_epi32(v, 16), abs_bits));
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(v, _mm512_and_si512(high16, abs_bits)));
+      }
+    }
+    const uint32_t bits = _mm512_reduce_max_epu32(mx);
+    if (bits == 0 || bits >= 0x7f800000u) {  // zeros: scale 0; an inf or a NaN: scale NaN; the integers 0 either way
+      xs[m] = bits ? NAN : 0.0f;
+      std::memset(hi, 0, K), std::memset(lo, -128, K);
+      continue;
+    }
+    float amax;
+    std::memcpy(&amax, &bits, 4);
+    xs[m] = amax / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(32767.0f / amax);
+    for (int64_t k = 0; k < K; k += 32) {  // rounded to nearest even, saturated to 16 bits (as packs does)
+      __m512i q16;
+      if (sizeof(E) == 4) {
+        const __m256i a = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps((const float*)(r + k)), inv)));
+        const __m256i b = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps((const float*)(r + k + 16)), inv)));
+        q16 = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      } else {
+        const __m512i v = _mm512_loadu_si512(r + k);
+        const __m512i even = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), inv));
+        const __m512i odd = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, high16)), inv));
+        q16 = _mm512_or_si512(_mm512_and_si512(_mm512_max_epi32(_mm512_min_epi32(even, top), bottom), _mm512_set1_epi32(0xffff)),
+                              _mm512_slli_epi32(_mm512_max_epi32(_mm512_min_epi32(odd, top), bottom), 16));
+      }
+      split_bytes(q16, hi + k, lo + k);
+    }
+  }
+  for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * rows + 2 * c) * K, 1, K);
 }
 
 // the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
@@ -841,7 +903,7 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     const bool in_pairs = a.G == 32 && p.M <= 4;  // two groups a product (amx_i4_pairs)
     if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xbytes, xlow);
     else if (in_pairs) pair_bytes(a.xq + p0 * a.K, p.M, a.K, xbytes);
-    else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, false, xbytes);
+    else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, xbytes);
     xsum.assign(panels * c * a.groups, 0.0f);  // padding rows: zeros
     for (int64_t m = 0; m < p.M; m++)
       for (int64_t g = 0; g < a.groups; g++) {
@@ -937,21 +999,23 @@ inline void store_sums(int pn, int32_t* sums) {  // panel pn's sums (the tile nu
 // panel pn's outputs of block n0 from its sums, each rounded once
 inline void amx_i8_tall_finish(const Lin& a, const int32_t (*sums)[16], int c, int64_t m0, int pn, int64_t n0) {
   const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
+  __m512d ones[2];  // 128 w . 1, the block's for every row; each sum exact in double (below 2^53), in any order
+  for (int h = 0; h < 2; h++)
+    ones[h] = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * c] + 8 * h))),
+                            _mm512_set1_pd(128.0));
   for (int64_t m = 0; m < mp; m++) {
     __m256 t[2];
     for (int h = 0; h < 2; h++) {
       const __m512d hi = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[m] + 8 * h)));
       const __m512d lo = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[c + m] + 8 * h)));
-      const __m512d ones = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * c] + 8 * h)));
-      const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(hi, _mm512_set1_pd(256.0)), lo),
-                                      _mm512_mul_pd(ones, _mm512_set1_pd(128.0)));
-      t[h] = _mm512_cvtpd_ps(s);
+      t[h] = _mm512_cvtpd_ps(_mm512_add_pd(_mm512_fmadd_pd(hi, _mm512_set1_pd(256.0), lo), ones[h]));
     }
     finish16(a, m0 + pn * c + m, n0, _mm512_insertf32x8(_mm512_castps256_ps512(t[0]), t[1], 1));
   }
 }
 
-void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
+template <typename E>
+void run_amx_i8_tall(const Lin& a, const E* x, float* xs) {  // x (M, K) fp32 or bf16; xs: the rows' scales, a.xs
   const int64_t blocks = a.N / 16;
   const int64_t grain = std::max<int64_t>(1, 65536 / 16 / std::max<int64_t>(a.K, 1));
   static thread_local std::vector<int8_t> xbytes;
@@ -959,7 +1023,7 @@ void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
     const int64_t rows = std::min<int64_t>(3 * PANEL_ROWS, a.M - p0);
     const int64_t panels = (rows + PANEL_ROWS - 1) / PANEL_ROWS;
     const int c = (int)((rows + panels - 1) / panels);  // 9 rows: panels of 5 and 4, not 7 and 2
-    panel_bytes(a.xq + p0 * a.K, rows, c, a.K, true, xbytes);
+    panel_bytes_x(x + p0 * a.K, rows, c, a.K, xs + p0, xbytes);
     const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles_i8_tall(2 * c + 1);
@@ -990,7 +1054,8 @@ void run_amx_i8_tall(const Lin& a) {  // a.xq, a.xs: the rows rounded to 16 bits
 #else
 void run_amx(const Lin&) {}  // never called: amx_usable() is false
 void run_amx_i4(const Lin&) {}
-void run_amx_i8_tall(const Lin&) {}
+template <typename E>
+void run_amx_i8_tall(const Lin&, const E*, float*) {}
 #endif
 
 // exp of a vector: Cody-Waite range reduction and a degree-6 polynomial (~1 ulp); large negatives go to ~0
@@ -1462,14 +1527,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
     static thread_local std::vector<float> xs;
-    xbuf.resize(M * K + 32), xs.resize(M);
+    xs.resize(M);
+    if (amx_i8) {  // x straight into the tiles' bytes (panel_bytes_x), its rows' scales into xs
+      a.xs = xs.data();
+      if (xc.scalar_type() == at::kFloat) run_amx_i8_tall(a, xc.data_ptr<float>(), xs.data());
+      else run_amx_i8_tall(a, (const uint16_t*)xc.data_ptr(), xs.data());
+      return out;
+    }
+    xbuf.resize(M * K + 32);
     int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
     const float qmax = amx_i4 ? 32639.0f : 32767.0f;  // int4 tiles: x = 256 hi + lo with both bytes signed (panel_bytes)
     if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
     a.xq = xq, a.xs = xs.data();
-    if (amx_i8) run_amx_i8_tall(a);
-    else if (amx_i4) run_amx_i4(a);
+    if (amx_i4) run_amx_i4(a);
     else run_linear<KernelI8>(a, KernelI8::MAX_MB);
     return out;
   }
