@@ -562,15 +562,57 @@ void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector
   }
 }
 
-// int8's panels of c straight from x (fp32 or bf16, E), each row's scale into xs: (panels, 2c + 1, K) bytes, the high
-// bytes of the row's 16-bit integers (quantize_rows16's, bit for bit, not written out), then the low ones less 128,
-// zeros past M, and a row of ones, whose sum q . 1 puts the 128 back. 32 values a step: a row's maximum on the bits of
-// |x| (for floats that are not NaN the larger value has the larger bits; inf and NaN have the largest), then the
-// integers, split into bytes by two shuffles. Against quantize_rows16 and a pass over its integers (256-bit, every
-// byte zeroed first), 30 layers' linears at 5 rows ran ~5% faster (docs/performance.md, forty-third session).
+// quantize_rows16's integers in AVX-512, 32 values a step, bit for bit: a row's maximum on the bits of |x| (for floats that are
+// not NaN the larger value has the larger bits; inf and NaN have the largest), then its integers, rounded to nearest
+// even and saturated to 16 bits as packs does. For bf16 x the even values are the 32-bit lanes shifted up and the odd
+// ones the lanes masked: the integers come out in order with no shuffle. int8 on AMX takes them straight into its
+// tiles' bytes (panel_bytes_x): against quantize_rows16 and a pass over its integers, 30 layers' linears ran 0-2%
+// faster at one row and 6-9% at five (docs/performance.md, forty-third session); int4's quantize_rows16 done so ran
+// no faster (its layouts and group sums read the integers more than once).
+template <typename E>
+inline float row_scale(const E* r, int64_t K, float qmax, __m512* inv) {  // the row's scale; 0: zeros; NaN: inf/NaN
+  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), odd_bits = _mm512_set1_epi32(0x7fff0000);
+  __m512i mx = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512i v = _mm512_loadu_si512(r + k);
+    if (sizeof(E) == 4) {
+      mx = _mm512_max_epu32(mx, _mm512_and_si512(v, abs_bits));
+      mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(r + k + 16), abs_bits));
+    } else {
+      mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_slli_epi32(v, 16), abs_bits));
+      mx = _mm512_max_epu32(mx, _mm512_and_si512(v, odd_bits));
+    }
+  }
+  const uint32_t bits = _mm512_reduce_max_epu32(mx);
+  if (bits == 0 || bits >= 0x7f800000u) return bits ? NAN : 0.0f;
+  float amax;
+  std::memcpy(&amax, &bits, 4);
+  *inv = _mm512_set1_ps(qmax / amax);
+  return amax / qmax;
+}
+template <typename E>
+inline __m512i q16x32(const E* p, __m512 inv) {  // 32 values' 16-bit integers, in order
+  const float* f = (const float*)p;
+  if (sizeof(E) == 4) {
+    const __m256i a = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f), inv)));
+    const __m256i b = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f + 16), inv)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  }
+  const __m512i v = _mm512_loadu_si512(p), top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32768);
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+  const __m512i qe = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(even, inv)), top), bottom);
+  const __m512i qo = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(odd, inv)), top), bottom);
+  return _mm512_or_si512(_mm512_and_si512(qe, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(qo, 16));
+}
+
+// int8's panels of c straight from x, each row's scale into xs: (panels, 2c + 1, K) bytes, the high bytes of the
+// row's 16-bit integers (quantize_rows16's, not written out), then the low ones less 128, zeros past M, and a row of
+// ones, whose sum q . 1 puts the 128 back. Two shuffles split 32 integers into their bytes.
 inline void split_bytes(__m512i q16, int8_t* hi, int8_t* lo) {  // 32 16-bit integers in order: high bytes, low ^ 128
   const __m512i within = _mm512_set4_epi32(0x0e0c0a08, 0x06040200, 0x0f0d0b09, 0x07050301);  // a lane: high, low
-  const __m512i b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_shuffle_epi8(q16, within));
+  const __m512i b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                             _mm512_shuffle_epi8(q16, within));
   _mm256_storeu_si256((__m256i*)hi, _mm512_castsi512_si256(b));
   _mm256_storeu_si256((__m256i*)lo, _mm256_xor_si256(_mm512_extracti64x4_epi64(b, 1), _mm256_set1_epi8(-128)));
 }
@@ -578,52 +620,16 @@ template <typename E>
 void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, std::vector<int8_t>& out) {
   const int64_t panels = (M + c - 1) / c, rows = 2 * c + 1;
   out.resize(panels * rows * K);  // every byte written below
-  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), high16 = _mm512_set1_epi32((int)0xffff0000u);
-  const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32768);
   for (int64_t m = 0; m < panels * c; m++) {
     int8_t* hi = out.data() + ((m / c) * rows + m % c) * K;
     int8_t* lo = hi + c * K;
-    if (m >= M) {  // a panel's rows past M: zeros
-      std::memset(hi, 0, K), std::memset(lo, 0, K);
+    __m512 inv;
+    if (m < M) xs[m] = row_scale(x + m * K, K, 32767.0f, &inv);
+    if (m >= M || !(xs[m] > 0.0f)) {  // rows past M: zeros; a row of zeros, or with an inf or a NaN: integers 0
+      std::memset(hi, 0, K), std::memset(lo, m >= M ? 0 : -128, K);
       continue;
     }
-    const E* r = x + m * K;
-    __m512i mx = _mm512_setzero_si512();
-    for (int64_t k = 0; k < K; k += 32) {
-      if (sizeof(E) == 4) {
-        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(r + k), abs_bits));
-        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(r + k + 16), abs_bits));
-      } else {  // 32 bf16: the even ones as floats shifted up, the odd ones masked in place
-        const __m512i v = _mm512_loadu_si512(r + k);
-        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_slli_epi32(v, 16), abs_bits));
-        mx = _mm512_max_epu32(mx, _mm512_and_si512(v, _mm512_and_si512(high16, abs_bits)));
-      }
-    }
-    const uint32_t bits = _mm512_reduce_max_epu32(mx);
-    if (bits == 0 || bits >= 0x7f800000u) {  // zeros: scale 0; an inf or a NaN: scale NaN; the integers 0 either way
-      xs[m] = bits ? NAN : 0.0f;
-      std::memset(hi, 0, K), std::memset(lo, -128, K);
-      continue;
-    }
-    float amax;
-    std::memcpy(&amax, &bits, 4);
-    xs[m] = amax / 32767.0f;
-    const __m512 inv = _mm512_set1_ps(32767.0f / amax);
-    for (int64_t k = 0; k < K; k += 32) {  // rounded to nearest even, saturated to 16 bits (as packs does)
-      __m512i q16;
-      if (sizeof(E) == 4) {
-        const __m256i a = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps((const float*)(r + k)), inv)));
-        const __m256i b = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps((const float*)(r + k + 16)), inv)));
-        q16 = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      } else {
-        const __m512i v = _mm512_loadu_si512(r + k);
-        const __m512i even = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), inv));
-        const __m512i odd = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, high16)), inv));
-        q16 = _mm512_or_si512(_mm512_and_si512(_mm512_max_epi32(_mm512_min_epi32(even, top), bottom), _mm512_set1_epi32(0xffff)),
-                              _mm512_slli_epi32(_mm512_max_epi32(_mm512_min_epi32(odd, top), bottom), 16));
-      }
-      split_bytes(q16, hi + k, lo + k);
-    }
+    for (int64_t k = 0; k < K; k += 32) split_bytes(q16x32(x + m * K + k, inv), hi + k, lo + k);
   }
   for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * rows + 2 * c) * K, 1, K);
 }
