@@ -2114,7 +2114,7 @@ void pv_rest512(const uint16_t* v, int64_t D, float* const* p, const int64_t* sl
 // Work items are a KV head's query heads at up to 16 / group positions: their scores in one pass of the tiles over
 // the slots any of them sees, then each row's visible slots' scores in rank order and softmax, the V sums of most
 // ranks by the tiles (pv_amx) and the rest on the vectors (pv_rest512, R heads of a position together). T = 1: one
-// item a KV head, as the vector path has.
+// item a KV head, as the vector path has. A row's result does not depend on which item it is in.
 void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                    at::Tensor& out) {
   const int64_t B = out.size(0), H = out.size(1), T = out.size(2), D = out.size(3), n_kv = k.size(1), S = k.size(2);
@@ -2128,10 +2128,28 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const uint16_t* vp = (const uint16_t*)v.data_ptr();
   const bool* mp = mask.data_ptr<bool>();
   uint16_t* op = (uint16_t*)out.data_ptr();
-  // positions split evenly into chunks of at most 16 / group, and at least two items a thread where T allows
-  const int64_t most = 16 / group, threads = at::get_num_threads();
-  const int64_t chunks = std::min<int64_t>(T, std::max<int64_t>((T + most - 1) / most, (2 * threads + B * n_kv - 1) / (B * n_kv)));
-  at::parallel_for(0, B * n_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
+  // the (batch row, KV head, position) units in one even share a thread, each share cut into items of at most
+  // 16 / group positions of one KV head, split evenly: at T = 5, 3 KV heads, 2 threads, the shares are 8 and 7
+  // units, two items each (5 + 3 positions, 2 + 5), where chunks of positions a KV head had made three items a
+  // thread (3 + 2 positions a head), each paying an item's fixed cost (the tile configuration, a pass over the slots)
+  const int64_t most = 16 / group, units = B * n_kv * T, shares = std::min<int64_t>(at::get_num_threads(), units);
+  struct Item { int64_t head, t0, t1; };  // head: b * n_kv + kvh; positions t0..t1-1
+  static thread_local std::vector<Item> items;  // the calling thread's, kept between calls (no allocation a call)
+  static thread_local std::vector<int64_t> first;
+  items.clear(), first.resize(shares + 1);
+  for (int64_t sh = 0; sh < shares; sh++) {
+    first[sh] = (int64_t)items.size();
+    // the larger shares first: the calling thread starts at once, a worker only once woken
+    for (int64_t u = (sh * units + shares - 1) / shares, u1 = ((sh + 1) * units + shares - 1) / shares; u < u1;) {
+      const int64_t head = u / T, n = std::min(u1, (head + 1) * T) - u, pieces = (n + most - 1) / most;
+      for (int64_t p = 0; p < pieces; p++) items.push_back({head, u % T + p * n / pieces, u % T + (p + 1) * n / pieces});
+      u += n;
+    }
+  }
+  first[shares] = (int64_t)items.size();
+  const Item* const item = items.data();  // a worker naming `items` would get its own thread's (empty) vector
+  const int64_t* const from = first.data();
+  at::parallel_for(0, shares, 1, [&](int64_t sh0, int64_t sh1) {
     // this thread's buffers, kept between calls and never zero-filled (~180 KB at 1,032 slots: filled, they cost a
     // one-token step ~1 us a layer; allocated and freed each call, the op 4-11% at T = 1, 1-5% at T = 5..17)
     static thread_local std::vector<int64_t> ibuf;
@@ -2146,9 +2164,8 @@ void attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const uint16_t* qrows[16];
     float inv[16];
     int64_t region[16];
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t chunk = i % chunks, kvh = (i / chunks) % n_kv, b = i / (chunks * n_kv);
-      const int64_t t0 = chunk * T / chunks, t1 = (chunk + 1) * T / chunks;  // positions t0..t1-1
+    for (int64_t i = from[sh0]; i < from[sh1]; i++) {
+      const int64_t kvh = item[i].head % n_kv, b = item[i].head / n_kv, t0 = item[i].t0, t1 = item[i].t1;
       const int64_t kv = (b * n_kv + kvh) * S * D;
       int64_t last = 0;
       for (int64_t t = t0; t < t1; t++) {
