@@ -562,13 +562,13 @@ void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector
   }
 }
 
-// quantize_rows16's integers in AVX-512, 32 values a step, bit for bit: a row's maximum on the bits of |x| (for floats that are
-// not NaN the larger value has the larger bits; inf and NaN have the largest), then its integers, rounded to nearest
-// even and saturated to 16 bits as packs does. For bf16 x the even values are the 32-bit lanes shifted up and the odd
-// ones the lanes masked: the integers come out in order with no shuffle. int8 on AMX takes them straight into its
-// tiles' bytes (panel_bytes_x): against quantize_rows16 and a pass over its integers, 30 layers' linears ran 0-2%
-// faster at one row and 6-9% at five (docs/performance.md, forty-third session); int4's quantize_rows16 done so ran
-// no faster (its layouts and group sums read the integers more than once).
+// quantize_rows16's integers in AVX-512, 32 values a step, bit for bit: a row's maximum on the bits of |x| (for
+// floats that are not NaN the larger value has the larger bits; inf and NaN have the largest), then its integers,
+// rounded to nearest even and saturated to 16 bits as packs does. For bf16 x the even values are the 32-bit lanes
+// shifted up and the odd ones the lanes masked: the integers come out in order with no shuffle. int8 on AMX takes
+// them straight into its tiles' bytes (panel_bytes_x): against quantize_rows16 and a pass over its integers, 30
+// layers' linears ran 0-2% faster at one row and 6-9% at five (docs/performance.md, forty-third session). int4 done
+// so (its quantize_rows16, or its bytes and group sums straight from x) ran no faster: not kept.
 template <typename E>
 inline float row_scale(const E* r, int64_t K, float qmax, __m512* inv) {  // the row's scale; 0: zeros; NaN: inf/NaN
   const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), odd_bits = _mm512_set1_epi32(0x7fff0000);
