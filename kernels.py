@@ -570,7 +570,7 @@ void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector
 // layers' linears ran 0-2% faster at one row and 6-9% at five (docs/performance.md, forty-third session). int4 done
 // so (its quantize_rows16, or its bytes and group sums straight from x) ran no faster: not kept.
 template <typename E>
-inline float row_scale(const E* r, int64_t K, float qmax, __m512* inv) {  // the row's scale; 0: zeros; NaN: inf/NaN
+inline float row_scale(const E* r, int64_t K, __m512* inv) {  // the row's scale; 0: zeros; NaN: an inf or a NaN
   const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), odd_bits = _mm512_set1_epi32(0x7fff0000);
   __m512i mx = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += 32) {
@@ -587,8 +587,8 @@ inline float row_scale(const E* r, int64_t K, float qmax, __m512* inv) {  // the
   if (bits == 0 || bits >= 0x7f800000u) return bits ? NAN : 0.0f;
   float amax;
   std::memcpy(&amax, &bits, 4);
-  *inv = _mm512_set1_ps(qmax / amax);
-  return amax / qmax;
+  *inv = _mm512_set1_ps(32767.0f / amax);
+  return amax / 32767.0f;
 }
 template <typename E>
 inline __m512i q16x32(const E* p, __m512 inv) {  // 32 values' 16-bit integers, in order
@@ -624,7 +624,7 @@ void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, std::
     int8_t* hi = out.data() + ((m / c) * rows + m % c) * K;
     int8_t* lo = hi + c * K;
     __m512 inv;
-    if (m < M) xs[m] = row_scale(x + m * K, K, 32767.0f, &inv);
+    if (m < M) xs[m] = row_scale(x + m * K, K, &inv);
     if (m >= M || !(xs[m] > 0.0f)) {  // rows past M: zeros; a row of zeros, or with an inf or a NaN: integers 0
       std::memset(hi, 0, K), std::memset(lo, m >= M ? 0 : -128, K);
       continue;
@@ -967,7 +967,7 @@ inline void configure_tiles_i8_tall(int rows) {  // rows: the A tiles', 2c + 1
 // int8 weights in tall blocks take the tiles the int4 way round: pack lays them out as B tiles (16 weight rows x 64
 // columns, 1 KB: byte (r, n, j) is column 4r + j of row n, the VNNI order), read straight from the weight stream;
 // a panel of c <= 7 activation rows is one A tile of 2c + 1 rows (high bytes, low bytes less 128, a row of ones:
-// panel_bytes) and up to 3 panels go in one pass over the weights. No groups: the sums stay in the tiles for the
+// panel_bytes_x) and up to 3 panels go in one pass over the weights. No groups: the sums stay in the tiles for the
 // whole of K, one TDPBSSD per 64 columns and panel, one store per block and panel at the end; x . w = 256 hi . w +
 // lo' . w + 128 w . 1 in double (exact), rounded to fp32 once: the exact integer dot product, as before. With the
 // weights as A (16 rows a product whatever M, two products per 32 columns) the products were the bound.
