@@ -24,7 +24,7 @@ from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, he
 from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, default_checkpoint,  # noqa: F401
                    default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
 from quantize import HEAD_CONFIG, load_quantized, parse_name, quantize_checkpoint, quantized_file
-from tp import init_distributed, shard_model
+from tp import finish_distributed, init_distributed, shard_model
 from tokenizer import apply_chat_template, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent
@@ -818,6 +818,7 @@ def main(argv=None):
         if args.compile_prefill:
             globals()["prefill"] = torch.compile(prefill, fullgraph=True, dynamic=True)
         run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, rank)
+        finish_distributed()
     finally:
         globals().update(steps)
         torch._inductor.config.cpp_wrapper, torch._inductor.config.cpp_wrapper_build_separate = cpp_wrapper

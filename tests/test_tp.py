@@ -37,7 +37,8 @@ def run_generate(checkpoint, out, processes, *flags):
     cmd += ["generate.py", "--checkpoint", str(checkpoint), "--prompt", "Hello there, how are", "--temperature", "0",
             "--max_new_tokens", "24", "--dtype", "float32", "--no-compile", "--metrics-json", str(out), *flags]
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    # the processes' own lines come first, the launcher's report of which one failed after them
+    assert result.returncode == 0, result.stderr[:3000] + " ... " + result.stderr[-800:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
