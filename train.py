@@ -41,6 +41,7 @@ from model import apply_rotary_emb
 from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate, generate_batch,
                       load_model)
 from tokenizer import apply_chat_template, get_tokenizer
+from tp import finish_distributed
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
@@ -838,7 +839,7 @@ def fit(args):
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print("summary: " + json.dumps(summary), file=sys.stderr)
     if distributed:
-        dist.destroy_process_group()
+        finish_distributed()  # ends the process (gloo's threads can abort it in the interpreter's teardown)
 
 
 def load_start(head_dir, target):
