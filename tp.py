@@ -39,8 +39,8 @@ def finish_distributed():
     """End a process of a tensor-parallel run: wait for the others, then leave without the interpreter's teardown.
     Gloo's worker threads free a finished collective's tensors when they get to it; if that falls in the
     interpreter's teardown, taking the GIL kills the process (SIGABRT, "terminate called without an active
-    exception"), destroy_process_group() or not: two-process gloo runs (scripts/tp_exit_check.py) died 7 times in 40 left
-    to the teardown, 7 in 165 after destroy_process_group(), none in 110 this way."""
+    exception"), destroy_process_group() or not: two-process gloo runs (scripts/tp_exit_check.py) died 7 times in
+    40 left to the teardown, 7 in 165 after destroy_process_group(), none in 110 this way."""
     if dist.is_initialized():
         dist.barrier()  # no process closes its sockets while another still waits on them
         sys.stdout.flush()
