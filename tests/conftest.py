@@ -1,4 +1,5 @@
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +18,13 @@ def tiny_args(**overrides) -> ModelArgs:
     config = dict(block_size=512, vocab_size=96, n_layer=2, n_head=4, n_local_heads=2, dim=64,
                   intermediate_size=160, rope_base=10000.0)
     return ModelArgs(**{**config, **overrides})
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a torchrun rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def make_tiny_model(seed=0, **overrides) -> Transformer:

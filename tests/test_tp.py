@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import quantize as Q
 import tp
-from conftest import ROOT, make_tiny_model
+from conftest import ROOT, free_port, make_tiny_model
 from generate import load_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory, default_checkpoint):
 
 def run_generate(checkpoint, out, processes, *flags):
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-                               str(29400 + os.getpid() % 500)] if processes > 1 else [])
+                               str(free_port())] if processes > 1 else [])
     cmd += ["generate.py", "--checkpoint", str(checkpoint), "--prompt", "Hello there, how are", "--temperature", "0",
             "--max_new_tokens", "24", "--dtype", "float32", "--no-compile", "--metrics-json", str(out), *flags]
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)

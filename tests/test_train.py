@@ -4,7 +4,6 @@ import gzip
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import train
-from conftest import ROOT, make_tiny_model
+from conftest import ROOT, free_port, make_tiny_model
 from eagle_head import EagleHead, head_config_from_target, load_head, random_head, save_head, target_info
 from generate import Drafter, load_model
 from tokenizer import apply_chat_template
@@ -398,12 +397,6 @@ def run_fit(out, *args, torchrun=False, timeout=300):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tiny_checkpoint_loads_and_shards_read_back(tiny_run):
