@@ -25,7 +25,7 @@ from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, 
                    default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
 from quantize import HEAD_CONFIG, load_quantized, parse_name, quantize_checkpoint, quantized_file
 from tp import finish_distributed, init_distributed, shard_model
-from tokenizer import apply_chat_template, get_tokenizer
+from tokenizer import apply_chat_template, get_tokenizer, incremental_decoder
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle3"
@@ -860,18 +860,11 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
             model.setup_caches(max_batch_size=1, max_seq_length=cache)
         prompt = torch.tensor(prompt_ids, dtype=torch.int, device=device)
 
-        printed = []
+        push = incremental_decoder(tokenizer)
 
         def stream(tok):
-            # decode the whole reply each time so multi-byte characters split over tokens print right
-            if tok in stop_ids:
-                return
-            printed.append(tok)
-            full = tokenizer.decode(printed)
-            stream.shown = getattr(stream, "shown", "")
-            if not full.endswith("\ufffd"):
-                print(full[len(stream.shown):], end="", flush=True)
-                stream.shown = full
+            if tok not in stop_ids and (text := push(tok)):
+                print(text, end="", flush=True)
 
         if args.compile and i == 0 and not args.interactive:  # compile outside the timed run, like gpt-fast
             t0 = time.perf_counter()

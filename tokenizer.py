@@ -68,6 +68,27 @@ VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence a
                  "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 
 
+def incremental_decoder(tokenizer):
+    """push(token id) -> the text that token adds to the reply so far ("" while a character is still incomplete).
+    Decodes a window of the last few tokens, not the whole reply (a decode of the whole reply a token made streaming
+    quadratic in its length): the window's text before and after the new token, the difference printed. The first
+    token of both decodes is the same, so a tokenizer's leading-space rule applies to both alike; the pieces joined
+    are tokenizer.decode(every id)."""
+    ids, window = [], [0, 0]  # window: where the decoded context starts, where the text printed so far ends
+
+    def push(token) -> str:
+        ids.append(token)
+        start, end = window
+        before = tokenizer.decode(ids[start:end])
+        text = tokenizer.decode(ids[start:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):  # a split multi-byte character waits for the rest
+            return ""
+        window[:] = [end, len(ids)]
+        return text[len(before):]
+
+    return push
+
+
 def apply_chat_template(messages: list, template: str, system_prompt=None) -> str:
     """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]. Returns the prompt text
     ending where the assistant's next reply starts. BOS is written as text ("<s>", "<|begin_of_text|>")

@@ -7,7 +7,7 @@ import pytest
 
 from generate import default_checkpoint
 from tokenizer import (HFTokenizer, SentencePieceTokenizer, apply_chat_template, default_system_prompt,
-                       get_tokenizer, guess_chat_template)
+                       get_tokenizer, guess_chat_template, incremental_decoder)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -33,6 +33,28 @@ def test_smollm2_encodes_text_like_transformers(smollm2):
     assert tok.encode(ref["tokenizer"]["probe"]["text"]) == ref["tokenizer"]["probe"]["ids"]
     for token, key in (("<|im_start|>", "im_start_id"), ("<|im_end|>", "im_end_id"), ("<|endoftext|>", "endoftext_id")):
         assert tok.token_id(token) == ref["tokenizer"][key]
+
+
+def streamed(tok, ids):
+    push = incremental_decoder(tok)
+    return [push(i) for i in ids]
+
+
+def test_incremental_decoder_streams_the_whole_decode(smollm2):
+    import random
+    tok = smollm2[0]
+    text = "Caf\u00e9 na\u00efve \u2014 \u65e5\u672c\u8a9e\u306e\u6587 \U0001F600\U0001F680 x  y\n\n\tdone. <|im_end|>"
+    ids = tok.encode(text)
+    pieces = streamed(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert "" in pieces  # a character split over tokens prints once complete, not as a replacement character
+    assert all("\ufffd" not in p for p in pieces)
+    rng = random.Random(0)  # any ids, odd bytes included: still exactly the full decode, piece by piece
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
+        full = tok.decode(ids)
+        joined = "".join(streamed(tok, ids))
+        assert joined == (full if not full.endswith("\ufffd") else joined) and full.startswith(joined)
 
 
 def test_smollm2_chatml_prompts_like_transformers(smollm2):
@@ -159,6 +181,13 @@ def test_sentencepiece_chosen_for_tokenizer_model(sp_dir):
     assert tok.encode("hello world") == sp.encode("hello world")
     assert tok.decode(tok.encode("The user asks a question")) == "The user asks a question"
     assert tok.token_id("</s>") == sp.eos_id() and tok.token_id("no-such-piece") is None
+
+
+def test_incremental_decoder_with_sentencepiece_spaces(sp_dir):
+    tok = get_tokenizer(sp_dir)
+    ids = tok.encode("The user asks a question and the assistant gives a short answer")
+    pieces = streamed(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) and pieces[0] == "The" and any(p.startswith(" ") for p in pieces)
 
 
 def test_sentencepiece_bos_eos_in_text(sp_dir):
