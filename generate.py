@@ -835,6 +835,23 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
     if args.batch_size > 1:
         return run_batch(args, model, tokenizer, encode(args.prompt), stop_ids, sampling, size)
     metrics_file = open(args.metrics_json, "w") if args.metrics_json and rank == 0 else None
+    headroom = drafter.headroom if drafter else 0
+
+    def cache_for(T):  # a chat keeps one cache size, so its turns share the compiled graphs
+        cache = args.max_seq_length or (2048 if args.interactive else
+                                        -(-(T + args.max_new_tokens + headroom) // 64) * 64)
+        return min(cache, model.config.block_size)
+
+    def warm_up(prompt):  # compile outside the timed run, like gpt-fast
+        t0 = time.perf_counter()
+        generate(model, prompt, args.max_new_tokens, stop_ids, draft=drafter, **sampling)
+        print(f"Compilation and warm-up: {time.perf_counter() - t0:.1f} s{launcher(args)}", file=sys.stderr)
+
+    if args.compile and args.interactive:  # before the first question, so that its answer comes at full speed
+        prompt_ids = encode("Hello")
+        with torch.device(device):
+            model.setup_caches(max_batch_size=1, max_seq_length=cache_for(len(prompt_ids)))
+        warm_up(torch.tensor(prompt_ids, dtype=torch.int, device=device))
     for i in range(sys.maxsize if args.interactive else args.num_samples):
         text = args.prompt
         if args.interactive:
@@ -847,10 +864,7 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
         if not prompt_ids:
             die("the prompt is empty")
         T = len(prompt_ids)
-        headroom = drafter.headroom if drafter else 0
-        cache = args.max_seq_length or (2048 if args.interactive else
-                                        -(-(T + args.max_new_tokens + headroom) // 64) * 64)
-        cache = min(cache, model.config.block_size)
+        cache = cache_for(T)
         if T >= cache:
             die(f"prompt of {T} tokens does not fit the KV cache of {cache} tokens (--max_seq_length)")
         if T + headroom > cache:
@@ -866,10 +880,8 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
             if tok not in stop_ids and (text := push(tok)):
                 print(text, end="", flush=True)
 
-        if args.compile and i == 0 and not args.interactive:  # compile outside the timed run, like gpt-fast
-            t0 = time.perf_counter()
-            generate(model, prompt, args.max_new_tokens, stop_ids, draft=drafter, **sampling)
-            print(f"Compilation and warm-up: {time.perf_counter() - t0:.1f} s{launcher(args)}", file=sys.stderr)
+        if args.compile and i == 0 and not args.interactive:
+            warm_up(prompt)
         if not args.interactive:
             print(args.prompt + ("\n" if args.chat else ""), end="", flush=True)
         t0 = time.perf_counter()

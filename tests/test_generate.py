@@ -220,6 +220,27 @@ def test_cli_chat_greedy_and_metrics(tmp_path, capsys, hf_reference):
         assert r["target_forwards"] <= n - 1 and r["mean_accepted"] >= 1
 
 
+def test_cli_interactive_keeps_the_conversation_and_warms_up_first(tmp_path, capsys, monkeypatch, hf_reference):
+    import io
+    import generate
+    out = tmp_path / "m.jsonl"
+    compiled = []
+    monkeypatch.setattr(generate, "compile_steps", lambda *a, **k: compiled.append(1))  # eager, but the warm-up runs
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd what is its population?\n"))
+    main(["--interactive", "--temperature", "0", "--max_new_tokens", "12", "--dtype", "float32", "--compile",
+          "--no-cpp_wrapper", "--metrics-json", str(out)])
+    captured = capsys.readouterr()
+    assert compiled and captured.err.count("Compilation and warm-up") == 1
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    ref = hf_reference["greedy"]["results"][0]
+    n = ref["first_eos_index"] + 1
+    assert first["prompt_ids"] == ref["prompt_ids"] and first["token_ids"] == ref["new_ids"][:n]  # as --chat gives
+    # the second turn's prompt is the whole conversation: the first question, its answer, then the new question
+    assert second["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]
+    assert len(second["prompt_ids"]) > len(first["prompt_ids"]) + len(first["token_ids"])
+    assert "Paris" in first["text"] and captured.out.count("You: ") == 3  # two questions, then the end of input
+
+
 def test_cli_total_tokens_auto(tmp_path, capsys, hf_reference):
     out = tmp_path / "m.jsonl"
     main(["--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max_new_tokens", "12",
