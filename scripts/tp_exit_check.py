@@ -45,6 +45,8 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args.end)
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     failed = 0
     for i in range(args.runs):
