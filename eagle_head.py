@@ -298,6 +298,23 @@ def head_update(head, features, tokens, start, last):
     return out.index_select(0, last.view(1))[0]  # (dim,)
 
 
+def top_k_rows(x: Tensor, k: int):
+    """torch.topk(x, k) along the last dim for a small k (the draft's 2-3 children of a node over its vocabulary):
+    k passes of a max and the first index that holds it, reductions that Inductor vectorises and fuses, where
+    torch.topk leaves the compiled graph for ATen's sort-based kernel (tens of us an 8,192-wide row on the CPU).
+    Values descending, equal values by index; a row needs k values above -inf (a NaN row gives its last index)."""
+    V = x.shape[-1]
+    idx = torch.arange(V, device=x.device)
+    values, indices = [], []
+    for _ in range(k):
+        best = x.amax(-1, keepdim=True)
+        i = torch.where(x == best, idx, V).amin(-1, keepdim=True).clamp_max(V - 1)
+        values.append(best)
+        indices.append(i)
+        x = x.masked_fill(idx == i, float("-inf"))
+    return torch.cat(values, -1), torch.cat(indices, -1)
+
+
 def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):
     """EAGLE-2 dynamic tree: expand the top_k nodes of each depth by cumulative draft log-probability,
     then keep the total_tokens best nodes of all depths. A chain of k is top_k=1, depth=total_tokens=k.
@@ -307,7 +324,7 @@ def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):
     K, device = top_k, h_root.device
     S = head.max_seq_length
     logp = F.log_softmax(head.draft_logits(h_root).float(), -1)
-    scores, tokens = logp.topk(K)  # depth 1, (K,)
+    scores, tokens = top_k_rows(logp, K)  # depth 1, (K,)
     tokens = head.to_target(tokens)
     pool_tokens, pool_scores = [tokens], [scores]
     pool_parents = [torch.zeros(K, dtype=torch.long, device=device)]
@@ -323,7 +340,7 @@ def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):
         out = head(frontier_tok[None].int(), frontier_h[None], L + d * K + torch.arange(K, device=device), mask,
                    rope_pos=(L + d).expand(K))[0]  # (K, dim)
         logp = F.log_softmax(head.draft_logits(out).float(), -1)
-        child_logp, child_tok = logp.topk(K)  # (K, K)
+        child_logp, child_tok = top_k_rows(logp, K)  # (K, K)
         child_tok = head.to_target(child_tok)
         cand_score = (frontier_score[:, None] + child_logp).flatten()
         base = 1 + K + d * K * K

@@ -7,7 +7,7 @@ import torch
 import generate as gen
 from conftest import make_tiny_model
 from eagle_head import (EAGLE1_TREE, EagleHead, StaticTree, head_config_from_target, load_head, random_head,
-                        save_head, target_info, tree_ancestors, tree_attention_mask, tree_from_paths)
+                        save_head, target_info, top_k_rows, tree_ancestors, tree_attention_mask, tree_from_paths)
 from generate import Drafter, generate, logits_to_probs
 
 TREES = [("chain", dict(depth=4)), ("static", {}), ("dynamic", dict(depth=4, top_k=3, total_tokens=10))]
@@ -449,3 +449,16 @@ def test_total_tokens_auto_picks_the_fastest_size(monkeypatch):
     assert list(table) == [4, 8, 12, 16, 24]  # 32 exceeds the 3 + 3 * 9 = 30 nodes depth 4, top-k 3 can offer
     assert seen == [4, 8, 12, 16, 24] * 2  # interleaved rounds
     assert all(tau >= 1 for _, tau in table.values())
+
+
+def test_top_k_rows_is_torch_topk_eager_and_compiled():
+    torch.manual_seed(0)
+    compiled = torch.compile(top_k_rows, fullgraph=True, dynamic=False)
+    for shape, k in (((8192,), 2), ((2, 8192), 2), ((3, 1000), 3), ((4, 7), 1)):
+        x = torch.log_softmax(torch.randn(shape) * 3, -1)
+        want = x.topk(k)
+        for fn in (top_k_rows, compiled):
+            values, indices = fn(x, k)
+            assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
+    values, indices = top_k_rows(torch.tensor([1.0, 3.0, 3.0, 2.0]), 3)  # ties by index
+    assert values.tolist() == [3.0, 3.0, 2.0] and indices.tolist() == [1, 2, 3]
