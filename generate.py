@@ -837,10 +837,24 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
     metrics_file = open(args.metrics_json, "w") if args.metrics_json and rank == 0 else None
     headroom = drafter.headroom if drafter else 0
 
-    def cache_for(T):  # a chat keeps one cache size, so its turns share the compiled graphs
-        cache = args.max_seq_length or (2048 if args.interactive else
+    def cache_size(T):  # (KV cache length for a prompt of T tokens, why it cannot hold it or None)
+        cache = args.max_seq_length or (2048 if args.interactive else  # a chat's turns share the compiled graphs
                                         -(-(T + args.max_new_tokens + headroom) // 64) * 64)
-        return min(cache, model.config.block_size)
+        cache = min(cache, model.config.block_size)
+        if T >= cache:
+            return cache, f"prompt of {T} tokens does not fit the KV cache of {cache} tokens (--max_seq_length)"
+        if T + headroom > cache:
+            return cache, (f"the draft tree needs {headroom} cache slots after the prompt of {T} tokens, but the KV "
+                           f"cache holds {cache} (raise --max_seq_length or shrink the tree)")
+        return cache, None
+
+    def prepare(prompt_ids):  # a KV cache for the prompt, and the prompt as a tensor (or one line why not)
+        cache, problem = cache_size(len(prompt_ids))
+        if problem:
+            die(problem)
+        with torch.device(device):
+            model.setup_caches(max_batch_size=1, max_seq_length=cache)
+        return torch.tensor(prompt_ids, dtype=torch.int, device=device)
 
     def warm_up(prompt):  # compile outside the timed run, like gpt-fast
         t0 = time.perf_counter()
@@ -848,10 +862,9 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
         print(f"Compilation and warm-up: {time.perf_counter() - t0:.1f} s{launcher(args)}", file=sys.stderr)
 
     if args.compile and args.interactive:  # before the first question, so that its answer comes at full speed
-        prompt_ids = encode("Hello")
-        with torch.device(device):
-            model.setup_caches(max_batch_size=1, max_seq_length=cache_for(len(prompt_ids)))
-        warm_up(torch.tensor(prompt_ids, dtype=torch.int, device=device))
+        hello = encode("Hello")
+        if cache_size(len(hello))[1] is None:  # else the first question's own prompt says why it does not fit
+            warm_up(prepare(hello))
     for i in range(sys.maxsize if args.interactive else args.num_samples):
         text = args.prompt
         if args.interactive:
@@ -863,16 +876,7 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
         prompt_ids = encode(text, messages)
         if not prompt_ids:
             die("the prompt is empty")
-        T = len(prompt_ids)
-        cache = cache_for(T)
-        if T >= cache:
-            die(f"prompt of {T} tokens does not fit the KV cache of {cache} tokens (--max_seq_length)")
-        if T + headroom > cache:
-            die(f"the draft tree needs {headroom} cache slots after the prompt of {T} tokens, but the KV cache "
-                f"holds {cache} (raise --max_seq_length or shrink the tree)")
-        with torch.device(device):
-            model.setup_caches(max_batch_size=1, max_seq_length=cache)
-        prompt = torch.tensor(prompt_ids, dtype=torch.int, device=device)
+        prompt = prepare(prompt_ids)
 
         push = incremental_decoder(tokenizer)
 

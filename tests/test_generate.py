@@ -239,6 +239,10 @@ def test_cli_interactive_keeps_the_conversation_and_warms_up_first(tmp_path, cap
     assert second["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]
     assert len(second["prompt_ids"]) > len(first["prompt_ids"]) + len(first["token_ids"])
     assert "Paris" in first["text"] and captured.out.count("You: ") == 3  # two questions, then the end of input
+    # a cache too small even for the warm-up's prompt: no warm-up, and the first question gets the one-line error
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    code, err = run_main(["--interactive", "--max_seq_length", "8", "--draft", "none", "--compile"], capsys)
+    assert code == 2 and "does not fit the KV cache of 8 tokens" in err[-1]
 
 
 def test_cli_total_tokens_auto(tmp_path, capsys, hf_reference):
