@@ -68,7 +68,8 @@ CPP = r"""
 #include <sys/syscall.h>
 #include <unistd.h>
 
-// the AMX intrinsics came with GCC 11 and Clang 12; an older compiler builds everything else
+// the AMX intrinsics came with GCC 11 and Clang 12 (and AVX-VNNI with their assemblers); an older compiler builds
+// everything else
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define EAGLE_AMX 1
 #else
@@ -77,7 +78,7 @@ CPP = r"""
 
 namespace {
 
-enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512BF16 = 3, AMX = 4 };
+enum Isa { SCALAR = 0, AVX2 = 1, AVX2VNNI = 2, AVX512 = 3, AVX512BF16 = 4, AMX = 5 };
 
 // AMX-BF16 and AMX-INT8 tiles (Sapphire Rapids and later Xeons), and Linux's leave for this process to use them
 bool amx_usable() {
@@ -88,11 +89,20 @@ bool amx_usable() {
   return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
+// AVX-VNNI (Alder Lake and later Intel cores, Zen 5): vpdpwssd in the VEX encoding, on AVX2's 256-bit registers
+bool has_avx_vnni() {
+  unsigned a, b, c, d;
+  return EAGLE_AMX && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+}
+
 int detect_isa() {
   __builtin_cpu_init();
   int isa = SCALAR;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = AVX2;
-  if (isa == AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  // AVX2VNNI: the AVX2 build with the int8 kernel's multiply and add in one instruction. Above it only for the
+  // order of the levels: every AVX-512 level runs its own int8 paths
+  if (isa == AVX2 && has_avx_vnni()) isa = AVX2VNNI;
+  if (isa >= AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     isa = AVX512;
   if (isa == AVX512 && __builtin_cpu_supports("avx512bf16")) isa = AVX512BF16;
@@ -100,6 +110,7 @@ int detect_isa() {
   const char* want = std::getenv("EAGLE_KERNELS");
   if (want && !std::strcmp(want, "avx512_bf16") && isa > AVX512BF16) isa = AVX512BF16;
   if (want && !std::strcmp(want, "avx2") && isa > AVX2) isa = AVX2;
+  if (want && !std::strcmp(want, "avx2_vnni") && isa > AVX2VNNI) isa = has_avx_vnni() ? AVX2VNNI : AVX2;
   if (want && !std::strcmp(want, "avx512") && isa > AVX512) isa = AVX512;
   return isa;
 }
@@ -1242,6 +1253,15 @@ struct Kernel256 {  // fp32 multiply-adds, 8 columns a step (16 registers: at mo
 // the accumulators on the stack, a load and a store each a step (a Zen 3, 5 rows, weights hot in L1: 50 against 78
 // GMAC/s a core).
 #define I8_ADD(acc, p) asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(p))
+// With AVX-VNNI (KernelI8<true>) one vpdpwssd does both: the same wrapping 32-bit integer sums, so the same bits, in
+// half the instructions of the five-row steps (VEX-encoded by hand: no compiler flag, and CPUs with AVX-VNNI but no
+// AVX-512 run it)
+#define I8_MADD(acc, x, w)                                                          \
+  do {                                                                              \
+    if constexpr (VNNI && EAGLE_AMX) asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w)); \
+    else I8_ADD(acc, _mm256_madd_epi16(x, w));                                      \
+  } while (0)
+template <bool VNNI>
 struct KernelI8 {
   static constexpr int64_t BB = 32, CHUNK = 128;  // a block row's bytes; 32-column steps summed as integers at a time
   // the weight stream 2 KB ahead into L1 rather than 16 KB into L2 (prefetch_ahead): the linears of an int8
@@ -1274,13 +1294,11 @@ struct KernelI8 {
           for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + j * BB + 16 * s)));
           __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + 32 * kb + 16 * s));
           asm("" : "+x"(x0));
-          I8_ADD(a00, _mm256_madd_epi16(x0, w[0])); I8_ADD(a01, _mm256_madd_epi16(x0, w[1]));
-          I8_ADD(a02, _mm256_madd_epi16(x0, w[2])); I8_ADD(a03, _mm256_madd_epi16(x0, w[3]));
+          I8_MADD(a00, x0, w[0]); I8_MADD(a01, x0, w[1]); I8_MADD(a02, x0, w[2]); I8_MADD(a03, x0, w[3]);
           if (MB > 1) {
             __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + a.K + 32 * kb + 16 * s));
             asm("" : "+x"(x1));
-            I8_ADD(a10, _mm256_madd_epi16(x1, w[0])); I8_ADD(a11, _mm256_madd_epi16(x1, w[1]));
-            I8_ADD(a12, _mm256_madd_epi16(x1, w[2])); I8_ADD(a13, _mm256_madd_epi16(x1, w[3]));
+            I8_MADD(a10, x1, w[0]); I8_MADD(a11, x1, w[1]); I8_MADD(a12, x1, w[2]); I8_MADD(a13, x1, w[3]);
           }
         }
       }
@@ -1318,7 +1336,7 @@ struct KernelI8 {
           if (MB > i) {                                                                               \
             __m256i xv = _mm256_loadu_si256((const __m256i*)(x + i * a.K + 32 * kb + 16 * s));        \
             asm("" : "+x"(xv)); /* one load: GCC folded it into both products */                     \
-            I8_ADD(a##i##0, _mm256_madd_epi16(xv, w0v)); I8_ADD(a##i##1, _mm256_madd_epi16(xv, w1v)); \
+            I8_MADD(a##i##0, xv, w0v); I8_MADD(a##i##1, xv, w1v);                                      \
           }
           I8_ROW(0) I8_ROW(1) I8_ROW(2) I8_ROW(3) I8_ROW(4) I8_ROW(5)
 #undef I8_ROW
@@ -1334,6 +1352,7 @@ struct KernelI8 {
   static constexpr int MAX_MB = 6;
   static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) { rows_of_block<KernelI8>(a, m0, mb, n0); }
 };
+#undef I8_MADD
 #undef I8_ADD
 
 // Each row x ~ q * scale: scale = max |x| / 32767, q = x / scale rounded to nearest even (as torch.round); a row
@@ -1547,7 +1566,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
     a.xq = xq, a.xs = xs.data();
     if (amx_i4) run_amx_i4(a);
-    else run_linear<KernelI8>(a, KernelI8::MAX_MB);
+    else if (level == AVX2VNNI) run_linear<KernelI8<true>>(a, KernelI8<true>::MAX_MB);
+    else run_linear<KernelI8<false>>(a, KernelI8<false>::MAX_MB);
     return out;
   }
   std::vector<float> xbuf;
@@ -2306,7 +2326,7 @@ TORCH_LIBRARY_IMPL(eagle_fast, CPU, m) {
 }
 """
 
-ISA_NAMES = {1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx"}
+ISA_NAMES = {1: "avx2", 2: "avx2_vnni", 3: "avx512", 4: "avx512_bf16", 5: "amx"}
 _state = {"loaded": None, "why": None, "isa": 0}
 
 
@@ -2353,7 +2373,8 @@ def load() -> bool:
 
 
 def isa() -> str:
-    """Which build runs here: 'amx', 'avx512_bf16', 'avx512', 'avx2', or 'fallback'."""
+    """Which build runs here: 'amx', 'avx512_bf16', 'avx512', 'avx2_vnni' (AVX2 and AVX-VNNI, no AVX-512: the
+    int8 kernel's multiply-adds by vpdpwssd), 'avx2', or 'fallback'."""
     return ISA_NAMES.get(_state["isa"], "fallback") if load() else "fallback"
 
 
@@ -2561,7 +2582,7 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
                      offsets: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 build, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row (round_rows16)."""
-    int16_rows = scales is not None and (offsets is None and isa() == "avx2" or packed.shape[2] == 16)
+    int16_rows = scales is not None and (offsets is None and isa().startswith("avx2") or packed.shape[2] == 16)
     qmax = 32639 if offsets is not None else 32767  # int4 tiles: two signed bytes
     y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     return (y if bias is None else y + bias.float()).to(x.dtype)

@@ -57,8 +57,8 @@ def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
     """The AVX2 build multiplies int8 weights by x rounded to 16-bit integers a row (exact integer sums): its outputs
     are those of round_rows16(x) to fp32's rounding, past 4096 columns (where the lanes go to fp32) and at the
     largest products (no integer overflow), with a row of zeros and rows holding a NaN or an inf."""
-    if kernels.isa() != "avx2":
-        pytest.skip("the AVX2 build's int8 path (EAGLE_KERNELS=avx2 runs it on an AVX-512 machine)")
+    if not kernels.isa().startswith("avx2"):
+        pytest.skip("the AVX2 build's int8 path (EAGLE_KERNELS=avx2 or avx2_vnni runs it on an AVX-512 machine)")
     g = torch.Generator().manual_seed(2)
     N, K = 8, 4096 + 512
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
@@ -375,12 +375,15 @@ def test_an_inference_call_runs_no_python():
 RANK = {"fallback": 0, **{name: level for level, name in kernels.ISA_NAMES.items()}}  # kernels.isa() names by level
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("isa", ["avx2", "avx2_vnni", "avx512", "avx512_bf16"])
 def test_each_lower_instruction_set_passes_the_same_checks(isa):
-    """EAGLE_KERNELS=avx2 / avx512 / avx512_bf16 runs the lower builds on this CPU (most users' CPUs have AVX2
-    only; avx512_bf16 is the vector build on a CPU with AMX tiles)."""
+    """EAGLE_KERNELS=avx2 / avx2_vnni / avx512 / avx512_bf16 runs the lower builds on this CPU (most users' CPUs
+    have AVX2 only, recent Intel ones AVX-VNNI beside it; avx512_bf16 is the vector build on a CPU with AMX tiles)."""
     if RANK[kernels.isa()] <= RANK[isa]:
         pytest.skip(f"this machine runs {kernels.isa()}: the default run covers it")
+    cpuinfo = Path("/proc/cpuinfo")
+    if isa == "avx2_vnni" and "avx_vnni" not in (cpuinfo.read_text() if cpuinfo.is_file() else ""):
+        pytest.skip("this CPU has no AVX-VNNI")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                         "-k", "matches or forced"], env={**os.environ, "EAGLE_KERNELS": isa},
                        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
@@ -392,3 +395,31 @@ def test_a_forced_instruction_set_is_the_one_that_runs():
     if forced not in RANK:
         pytest.skip("EAGLE_KERNELS not set")
     assert kernels.isa() == forced
+
+
+INT8_OUTPUTS = """
+import sys, torch, kernels
+g = torch.Generator().manual_seed(3)
+q = torch.randint(-128, 128, (64, 4096 + 512), generator=g, dtype=torch.int8)
+scales = torch.rand(64, generator=g) / 127
+x = torch.randn(17, q.shape[1], generator=g).to(torch.bfloat16)
+packed = kernels.pack(q)
+torch.save({"isa": kernels.isa(), "y": [kernels.linear(x[:m], packed, None, scales) for m in (1, 2, 5, 6, 9, 17)]},
+           sys.argv[1])
+"""
+
+
+def test_avx_vnni_int8_outputs_equal_avx2s_bit_for_bit(tmp_path):
+    """KernelI8 with AVX-VNNI (vpdpwssd) sums the same integers as vpmaddwd + vpaddd: the same bits at every M."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if RANK[kernels.isa()] < RANK["avx2_vnni"] or "avx_vnni" not in (cpuinfo.read_text() if cpuinfo.is_file() else ""):
+        pytest.skip("this CPU has no AVX-VNNI")
+    out = {}
+    for isa in ("avx2", "avx2_vnni"):
+        r = subprocess.run([sys.executable, "-c", INT8_OUTPUTS, str(tmp_path / isa)], env={**os.environ, "EAGLE_KERNELS": isa},
+                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[isa] = torch.load(tmp_path / isa, weights_only=True)
+        assert out[isa]["isa"] == isa
+    for a, b in zip(out["avx2"]["y"], out["avx2_vnni"]["y"]):
+        assert torch.equal(a, b)
