@@ -226,7 +226,7 @@ def first_difference(a, b):
 
 def summarize(methods, per_prompt, warmup, memory, args, n_prompts):
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "threads": torch.get_num_threads()},
+                           "threads": torch.get_num_threads(), "kernels": kernels.isa()},
                "torch": torch.__version__, "dtype": args.dtype, "compiled": not args.no_compile,
                "cpp_wrapper": args.cpp_wrapper,
                "prompts": str(args.prompts), "n_prompts": n_prompts, "max_new_tokens": args.max_new_tokens,
