@@ -38,6 +38,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
+# kernels.py builds where int8 weights (and an int8 head) decode fastest: integer dot products or the int8 tiles
+INT8_BUILDS = ("avx2", "avx2_vnni", "amx")
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
 
 
@@ -627,7 +629,7 @@ def fastest_draft_quant(device) -> str | None:
     bf16 dot products an int8 head was no faster: docs/performance.md), and on AMX CPUs (int8 through the int8 tiles
     and vpdpwssd: the draft 2.04 -> 1.53 ms; MT-bench, int8.head8 target, EAGLE 196.2 against 189.1 tokens/s).
     Elsewhere the head as saved."""
-    return "int8" if torch.device(device).type == "cpu" and kernels.isa() in ("avx2", "avx2_vnni", "amx") else None
+    return "int8" if torch.device(device).type == "cpu" and kernels.isa() in INT8_BUILDS else None
 
 
 def load_draft_head(draft, model, device, dtype, quant="auto"):
@@ -676,7 +678,7 @@ def fastest_quant(device) -> str | None:
     67.3 in bf16, and the int8 LM head reads 17% fewer bytes again, perplexity unchanged; docs/performance.md) or
     has AMX tiles (int8 through the int8 tiles: on a Xeon, MT-bench, plain 101.4 against 68.9 tokens/s in bf16,
     EAGLE 161.2 against 127.2), the float weights elsewhere."""
-    return "int8.head8" if torch.device(device).type == "cpu" and kernels.isa() in ("avx2", "avx2_vnni", "amx") else None
+    return "int8.head8" if torch.device(device).type == "cpu" and kernels.isa() in INT8_BUILDS else None
 
 
 def make_quantized_on_first_use(checkpoint, name, write=True):

@@ -375,14 +375,18 @@ def test_an_inference_call_runs_no_python():
 RANK = {"fallback": 0, **{name: level for level, name in kernels.ISA_NAMES.items()}}  # kernels.isa() names by level
 
 
+def cpu_has_avx_vnni() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and "avx_vnni" in cpuinfo.read_text()
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx2_vnni", "avx512", "avx512_bf16"])
 def test_each_lower_instruction_set_passes_the_same_checks(isa):
     """EAGLE_KERNELS=avx2 / avx2_vnni / avx512 / avx512_bf16 runs the lower builds on this CPU (most users' CPUs
     have AVX2 only, recent Intel ones AVX-VNNI beside it; avx512_bf16 is the vector build on a CPU with AMX tiles)."""
     if RANK[kernels.isa()] <= RANK[isa]:
         pytest.skip(f"this machine runs {kernels.isa()}: the default run covers it")
-    cpuinfo = Path("/proc/cpuinfo")
-    if isa == "avx2_vnni" and "avx_vnni" not in (cpuinfo.read_text() if cpuinfo.is_file() else ""):
+    if isa == "avx2_vnni" and not cpu_has_avx_vnni():
         pytest.skip("this CPU has no AVX-VNNI")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                         "-k", "matches or forced"], env={**os.environ, "EAGLE_KERNELS": isa},
@@ -411,8 +415,7 @@ torch.save({"isa": kernels.isa(), "y": [kernels.linear(x[:m], packed, None, scal
 
 def test_avx_vnni_int8_outputs_equal_avx2s_bit_for_bit(tmp_path):
     """KernelI8 with AVX-VNNI (vpdpwssd) sums the same integers as vpmaddwd + vpaddd: the same bits at every M."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if RANK[kernels.isa()] < RANK["avx2_vnni"] or "avx_vnni" not in (cpuinfo.read_text() if cpuinfo.is_file() else ""):
+    if RANK[kernels.isa()] < RANK["avx2_vnni"] or not cpu_has_avx_vnni():
         pytest.skip("this CPU has no AVX-VNNI")
     out = {}
     for isa in ("avx2", "avx2_vnni"):
