@@ -141,6 +141,8 @@ def compile_steps(device="cpu", cpp_wrapper=False):
     if cpp_wrapper and torch.device(device).type == "cpu":
         torch._inductor.config.cpp_wrapper = True
         torch._inductor.config.cpp_wrapper_build_separate = True
+        # kernels.py's ops called as C functions, not through the dispatcher (1.5-3% a forward, kernels.c_shims)
+        torch._inductor.config.aot_inductor.custom_ops_to_c_shims = kernels.c_shims()
     # one cache per instruction set, under the user's cache directory or .inductor-cache/: a workspace that comes
     # back on another kind of CPU (AVX2 after AVX-512) must not reuse kernels compiled for the other one (a shared
     # directory served an AVX-512 run's graph to AVX2 code: "index out of bounds"). Inductor writes its own default,

@@ -280,6 +280,7 @@ def test_real_model_bf16_compiled_eagle_equals_plain_on_mt_bench(default_checkpo
     prompts = load_prompts(gen.ROOT / "data" / "mt_bench.jsonl", real_tokenizer, model.checkpoint_config, 20)
     config = torch._inductor.config
     original = (gen.decode_one_token, gen.eagle_cycle), (config.cpp_wrapper, config.cpp_wrapper_build_separate)
+    shims = config.aot_inductor.custom_ops_to_c_shims
     cache = max(len(ids) for _, ids in prompts) + 128 + drafter.headroom  # one size: one graph per step kind
     try:
         gen.compile_steps(cpp_wrapper=gen.default_cpp_wrapper("cpu"))  # the launcher generate.py picks
@@ -290,6 +291,7 @@ def test_real_model_bf16_compiled_eagle_equals_plain_on_mt_bench(default_checkpo
                 parted.append((pid, next(i for i, (a, b) in enumerate(zip(plain, spec)) if a != b)))
     finally:
         (gen.decode_one_token, gen.eagle_cycle), (config.cpp_wrapper, config.cpp_wrapper_build_separate) = original
+        config.aot_inductor.custom_ops_to_c_shims = shims
     assert len(prompts) == 20 and not parted, parted
 
 

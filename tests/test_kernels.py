@@ -426,3 +426,20 @@ def test_avx_vnni_int8_outputs_equal_avx2s_bit_for_bit(tmp_path):
         assert out[isa]["isa"] == isa
     for a, b in zip(out["avx2"]["y"], out["avx2_vnni"]["y"]):
         assert torch.equal(a, b)
+
+
+def test_c_shims_are_this_extensions_and_no_one_elses():
+    # compiled launchers call the ops' C functions by name (kernels.c_shims): each must be declared for its op,
+    # exported by this build, and absent from libtorch (an aten shim of the same name would take the call)
+    import ctypes
+    shims = kernels.c_shims()
+    assert sorted(op.name() for op in shims) == ["eagle_fast::attention", "eagle_fast::linear", "eagle_fast::tile_rows"]
+    lib = Path(torch.__file__).parent / "lib"
+    libtorch = [ctypes.CDLL(str(p)) for p in (lib / "libtorch_cpu.so", lib / "libtorch.so") if p.exists()]
+    assert libtorch
+    glob = ctypes.CDLL(None)  # the process's global scope, where kernels.load() put this build
+    for op, (decl,) in shims.items():
+        name = decl.split("(")[0].split()[-1]
+        assert name == "aoti_torch_cpu_" + op.name().split("::")[1]
+        assert hasattr(glob, name)
+        assert not any(hasattr(t, name) for t in libtorch), name
