@@ -59,6 +59,7 @@ CPP = r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/EmptyTensor.h>
 #include <immintrin.h>
 #include <cmath>
 #include <cstdlib>
@@ -1514,7 +1515,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   }
   if (M > 1 || prefetch_one_row())  // the bytes of 4 rows x 32 columns (int4: 4 rows x 16 bytes), in 64-byte lines
     a.ahead_lines = std::max<int64_t>(1, 4 * a.block_bytes / (wt == W_I4 ? 2 : 1) / 64);
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::detail::empty_cpu({M, N}, x.scalar_type());  // not through the dispatcher (at::empty)
   a.out = out.data_ptr();
   if (M == 0) return out;
   // int8 and int4 in tall blocks (pack made them on an AMX CPU): the integer tiles, x rounded to 16 bits, any x dtype
@@ -2280,7 +2281,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   at::Tensor kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
   const int64_t H = q.size(1), T = q.size(2), D = q.size(3);
-  at::Tensor out = at::empty_strided(q.sizes(), {T * H * D, D, H * D, 1}, q.options());  // (B, T, H, D) in memory
+  at::Tensor out = at::detail::empty_strided_cpu(q.sizes(), {T * H * D, D, H * D, 1}, q.scalar_type());  // (B, T, H, D) in memory
   const bool dot = q.scalar_type() == at::kBFloat16 && level >= AVX512BF16 && q.size(3) % 32 == 0;
   if (dot && level == AMX && D <= 192 && H / k.size(1) <= 16) attention_amx(qc, kc, vc, mc, out);  // never at EAGLE_AMX 0: level < AMX
   else if (q.scalar_type() == at::kFloat) attention_impl<float>(qc, kc, vc, mc, out, level, dot);
@@ -2298,7 +2299,7 @@ at::Tensor tile_rows(const at::Tensor& w, const at::Tensor& idx) {
   const at::Tensor ic = idx.to(at::kLong).contiguous();
   std::vector<int64_t> shape(idx.sizes().begin(), idx.sizes().end());
   shape.push_back(K);
-  at::Tensor out = at::empty(shape, w.options());
+  at::Tensor out = at::detail::empty_cpu(shape, w.scalar_type());
   const int8_t* wp = w.data_ptr<int8_t>();
   const int64_t* ip = ic.data_ptr<int64_t>();
   int8_t* op = out.data_ptr<int8_t>();
