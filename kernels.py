@@ -2361,7 +2361,7 @@ TORCH_LIBRARY_IMPL(eagle_fast, CPU, m) {
 """
 
 ISA_NAMES = {1: "avx2", 2: "avx2_vnni", 3: "avx512", 4: "avx512_bf16", 5: "amx"}
-_state = {"loaded": None, "why": None, "isa": 0}
+_state = {"loaded": None, "why": None, "isa": 0, "shims": False}
 
 
 def load() -> bool:
@@ -2390,8 +2390,12 @@ def load() -> bool:
         _state["why"] = "this CPU has no AVX2"
         return False
     # the ops' C functions (c_shims) in the global scope, where a compiled launcher finds them when it is loaded
-    import ctypes
-    ctypes.CDLL(module.__file__, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+    try:
+        import ctypes
+        ctypes.CDLL(module.__file__, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        _state["shims"] = True
+    except (AttributeError, OSError):  # no dlopen flags here: graphs call the ops through the dispatcher
+        pass
 
     @torch.library.register_fake("eagle_fast::linear")
     def _(x, w, scales, offsets, bias):
@@ -2421,7 +2425,7 @@ C_SHIMS = {  # op -> its C function (the C++ above), as Inductor's aot_inductor.
 def c_shims() -> dict:
     """For torch._inductor.config.aot_inductor.custom_ops_to_c_shims: a graph compiled with the C++ launcher then
     calls the ops' C functions directly, not through the dispatcher. Empty where the ops did not load."""
-    if not load():
+    if not load() or not _state["shims"]:
         return {}
     return {getattr(torch.ops.eagle_fast, name).default: [decl] for name, decl in C_SHIMS.items()}
 
