@@ -35,9 +35,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # on AMX matmul units; any weights on a GPU), the 4-node one where they cost ~2 (CPUs: AVX2, AVX-512 without AMX,
 # int4 weights, whose unpacking is compute-bound). int8 on AMX (the int8 tiles: 9 tokens ~1.27 steps) keeps the
 # 4-node tree: on MT-bench the 8-node one decoded as fast (162.2 against 161.2 tokens/s, docs/performance.md).
+# int4 on AMX takes 3 nodes: its tiles put two weight groups in one product up to 4 rows, so 1 + 3 tokens verify
+# at ~1.25x the linears' one-token time and 1 + 4 at ~1.5x; on MT-bench 1.35-1.37x plain against 1.25-1.28x.
 # default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
+INT4_AMX_TREE = dict(TREE, total_tokens=3)
 # kernels.py builds where int8 weights (and an int8 head) decode fastest: integer dot products or the int8 tiles
 INT8_BUILDS = ("avx2", "avx2_vnni", "amx")
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
@@ -710,6 +713,8 @@ def default_tree(device, weights) -> dict:
     """The draft tree sizes that decode fastest for these weights ("bfloat16", "int4.g32", ...) here (TREE's note)."""
     if torch.device(device).type == "cuda" or (weights == "bfloat16" and kernels.isa() == "amx"):
         return WIDE_TREE
+    if weights.startswith("int4") and kernels.isa() == "amx":
+        return INT4_AMX_TREE
     return TREE
 
 

@@ -148,6 +148,7 @@ def main():
         print(f"  τ = {tau:.2f}: {tau * plain / per_cycle_loop:.2f}x")
     if args.profile:
         for name, fn in (("plain decode step", parts["plain decode step"]),
+                         ("draft", parts["draft (head update + tree)"]),
                          ("whole cycle", parts["whole cycle, compiled call + host sync"])):
             print_profile(name, fn, args.profile)
 
