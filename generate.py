@@ -545,7 +545,8 @@ def build_parser():
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
 
     def sizes(key):
-        return f"(default: {WIDE_TREE[key]} for bf16 weights on AMX CPUs and on CUDA, else {TREE[key]})"
+        int4 = f", {INT4_AMX_TREE[key]} for int4 weights on AMX CPUs" if INT4_AMX_TREE[key] != TREE[key] else ""
+        return f"(default: {WIDE_TREE[key]} for bf16 weights on AMX CPUs and on CUDA{int4}, else {TREE[key]})"
     p.add_argument("--depth", type=int, default=None, help=f"dynamic tree: draft depth {sizes('depth')}")
     p.add_argument("--draft_top_k", type=int, default=None,
                    help=f"dynamic tree: nodes expanded per depth {sizes('top_k')}")
