@@ -30,11 +30,11 @@ a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is bu
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
 pure-PyTorch fallback runs: each row on its own through F.linear, so its rows too are the same whatever M is.
 
-    torch.ops.eagle_fast.linear(x, w, scales, offsets, bias)
+    torch.ops.eagle_fast.linear(x, w, scales, offsets, bias, residual=None)
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
         build and AMX's tall blocks round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2)
         with scales and offsets (N, K/G) (w = q * scale + offset; AMX's tall blocks: x rounded likewise); -> (M, N)
-        in x's dtype
+        in x's dtype, plus residual (M, N) in x's dtype if given (the sum rounded again, as eager adds)
     torch.ops.eagle_fast.attention(q, k, v, mask)
         q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
         in q's dtype, laid out as (B, T, H, D); softmax in fp32
@@ -52,8 +52,8 @@ MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify st
 # version, and a change to an op's output must bump it (a graph cached before the attention's output became
 # (B, T, H, D)-strided failed its stride assertion; 3: the linear of tall int8 blocks, N = 16 x blocks; their
 # layout changed since, not what the op returns; 4: their row lookup became an op, tile_rows; 5: graphs call
-# the ops' C functions, c_shims)
-OPS_VERSION = 5
+# the ops' C functions, c_shims; 6: the linear takes a residual)
+OPS_VERSION = 6
 
 CPP = r"""
 #include <torch/library.h>
@@ -151,6 +151,7 @@ struct Lin {
   const float* bias;       // (N,) or null
   void* out;               // (M, N) fp32 or bf16
   bool out_bf16;
+  const void* res = nullptr;  // (M, N) in out's dtype, added to the outputs (or null)
   int64_t n_base = 0;      // the first row of the weights at w (a dequantized block's buffer starts at its block)
   int64_t ahead_lines = 0; // cache lines of the weight stream one 32-column step reads, prefetched ahead (0: none)
   const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
@@ -218,8 +219,14 @@ __attribute__((always_inline)) inline void finish4(const Lin& a, int64_t m, int6
   if (a.scales && !a.offsets) v = _mm_mul_ps(v, _mm_loadu_ps(a.scales + n));
   if (a.bias) v = _mm_add_ps(v, _mm_loadu_ps(a.bias + n));
   if (a.out_bf16) {
-    _mm_storel_epi64((__m128i*)((uint16_t*)a.out + m * a.N + n), to_bf16x4(v));
+    __m128i r = to_bf16x4(v);
+    if (a.res) {  // residual + the rounded output, rounded again: what x + linear(x) gives in bf16 (SSE2 widening)
+      const __m128i z = _mm_setzero_si128(), res = _mm_loadl_epi64((const __m128i*)((const uint16_t*)a.res + m * a.N + n));
+      r = to_bf16x4(_mm_add_ps(_mm_castsi128_ps(_mm_unpacklo_epi16(z, res)), _mm_castsi128_ps(_mm_unpacklo_epi16(z, r))));
+    }
+    _mm_storel_epi64((__m128i*)((uint16_t*)a.out + m * a.N + n), r);
   } else {
+    if (a.res) v = _mm_add_ps(_mm_loadu_ps((const float*)a.res + m * a.N + n), v);
     _mm_storeu_ps((float*)a.out + m * a.N + n, v);
   }
 }
@@ -424,12 +431,20 @@ inline void finish16(const Lin& a, int64_t m, int64_t n, __m512 v) {
   if (a.scales && !a.offsets) v = _mm512_mul_ps(v, _mm512_loadu_ps(a.scales + n));
   if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + n));
   if (a.out_bf16) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    auto round = [](__m512 f) {  // each lane's bf16 bits in its low 16, as to_bf16x4
+      const __m512i u = _mm512_castps_si512(f);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    };
+    __m512i r = round(v);
+    if (a.res) {  // as finish4
+      const __m512i res = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)a.res + m * a.N + n)));
+      r = round(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(res, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(r, 16))));
+    }
     _mm256_storeu_si256((__m256i*)((uint16_t*)a.out + m * a.N + n), _mm512_cvtepi32_epi16(r));
   } else {
+    if (a.res) v = _mm512_add_ps(_mm512_loadu_ps((const float*)a.res + m * a.N + n), v);
     _mm512_storeu_ps((float*)a.out + m * a.N + n, v);
   }
 }
@@ -525,6 +540,7 @@ void run_amx(const Lin& a) {
     p.M = std::min<int64_t>(64, a.M - p0);
     p.xb = a.xb + p0 * a.K;
     p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
+    if (a.res) p.res = (const char*)a.res + p0 * a.N * (a.out_bf16 ? 2 : 4);
     const std::vector<uint32_t> xt = pair_layout(p, cols);
     at::parallel_for(0, blocks / nb, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles(cols);
@@ -917,6 +933,7 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     p.M = std::min<int64_t>(64, a.M - p0);
     p.xs = a.xs + p0;
     p.out = (char*)a.out + p0 * a.N * (a.out_bf16 ? 2 : 4);
+    if (a.res) p.res = (const char*)a.res + p0 * a.N * (a.out_bf16 ? 2 : 4);
     const bool wide = p.M > PANEL_ROWS;
     const int64_t most = wide ? 16 : PANEL_ROWS, panels = (p.M + most - 1) / most;
     const int c = (int)((p.M + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
@@ -1455,7 +1472,8 @@ void permute_evens_odds(E* x, int64_t M, int64_t K, int V) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
-                  const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                  const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && (w.size(2) == 4 || w.size(2) == 16), "eagle_fast::linear: x (M, K) and a packed weight");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: x must be fp32 or bf16");
   TORCH_CHECK(w.is_contiguous(), "eagle_fast::linear: the packed weight must be contiguous");
@@ -1515,6 +1533,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   }
   if (M > 1 || prefetch_one_row())  // the bytes of 4 rows x 32 columns (int4: 4 rows x 16 bytes), in 64-byte lines
     a.ahead_lines = std::max<int64_t>(1, 4 * a.block_bytes / (wt == W_I4 ? 2 : 1) / 64);
+  if (residual) {  // y = residual + x @ W.T, the sum a transformer block's residual stream takes
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 && residual->size(0) == M &&
+                residual->size(1) == N && residual->is_contiguous(),
+                "eagle_fast::linear: the residual must be a contiguous (M, N) tensor of x's dtype");
+    a.res = residual->data_ptr();
+  }
   at::Tensor out = at::detail::empty_cpu({M, N}, x.scalar_type());  // not through the dispatcher (at::empty)
   a.out = out.data_ptr();
   if (M == 0) return out;
@@ -2327,10 +2351,11 @@ static c10::optional<at::Tensor> optional_tensor(AtenTensorHandle* h) {  // a Te
 }
 extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_linear(
     AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* scales, AtenTensorHandle* offsets, AtenTensorHandle* bias,
-    AtenTensorHandle* ret0) {
+    AtenTensorHandle* residual, AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = new_tensor_handle(linear(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w),
-                                     optional_tensor(scales), optional_tensor(offsets), optional_tensor(bias)));
+                                     optional_tensor(scales), optional_tensor(offsets), optional_tensor(bias),
+                                     optional_tensor(residual)));
   });
 }
 extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_attention(
@@ -2348,7 +2373,7 @@ extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_
 }
 
 TORCH_LIBRARY(eagle_fast, m) {
-  m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? offsets, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? offsets, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
   m.def("tile_rows(Tensor w, Tensor idx) -> Tensor");
 }
@@ -2398,7 +2423,7 @@ def load() -> bool:
         pass
 
     @torch.library.register_fake("eagle_fast::linear")
-    def _(x, w, scales, offsets, bias):
+    def _(x, w, scales, offsets, bias, residual=None):
         return x.new_empty(x.shape[0], w.shape[2] * w.shape[0])  # blocks of 4 rows, or 16 (block_rows)
 
     @torch.library.register_fake("eagle_fast::tile_rows")
@@ -2415,7 +2440,7 @@ def load() -> bool:
 
 C_SHIMS = {  # op -> its C function (the C++ above), as Inductor's aot_inductor.custom_ops_to_c_shims declares them
     "linear": "AOTITorchError aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* scales, "
-              "AtenTensorHandle* offsets, AtenTensorHandle* bias, AtenTensorHandle* ret0)",
+              "AtenTensorHandle* offsets, AtenTensorHandle* bias, AtenTensorHandle* residual, AtenTensorHandle* ret0)",
     "attention": "AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
                  "AtenTensorHandle mask, AtenTensorHandle* ret0)",
     "tile_rows": "AOTITorchError aoti_torch_cpu_tile_rows(AtenTensorHandle w, AtenTensorHandle idx, AtenTensorHandle* ret0)",
@@ -2557,15 +2582,20 @@ def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------- what the model calls
 
-def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None, offsets: Tensor = None) -> Tensor:
+def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None, offsets: Tensor = None,
+           residual: Tensor = None) -> Tensor:
     """x (..., K) @ W.T (+ bias) for a packed weight: float in x's dtype, int8 with fp32 scales (N,), or int4 nibbles
     with fp32 scales and offsets (N, K/G, or tile_groups'), w = q * scale + offset. Any number of rows; each row is computed the
-    same way whatever the number."""
+    same way whatever the number. residual (..., N): residual + that, as eager rounds it (the output in x's dtype,
+    then the sum), written by the op itself: a block's residual stream then exists once, where a compiled graph had
+    each norm re-add the stream's last 3-4 terms."""
     x2 = x.reshape(-1, x.shape[-1])
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, packed, bias)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, packed, bias, residual)):
         y = _FrozenPackedLinear.apply(x2, packed, bias, scales, offsets)
-    else:  # inference calls the C++ op directly: no Python on the way (see _FrozenPackedLinear)
-        y = torch.ops.eagle_fast.linear(x2, packed, scales, offsets, bias)
+        return y.view(*x.shape[:-1], y.shape[-1]) + (0 if residual is None else residual)
+    if residual is not None:
+        residual = residual.reshape(x2.shape[0], -1).contiguous()
+    y = torch.ops.eagle_fast.linear(x2, packed, scales, offsets, bias, residual)  # no Python on the way
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -2637,13 +2667,14 @@ def rows16(x: Tensor, qmax: int = 32767) -> tuple[Tensor, Tensor]:
 
 
 def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
-                     offsets: Tensor = None) -> Tensor:
+                     offsets: Tensor = None, residual: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 build, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row (round_rows16)."""
     int16_rows = scales is not None and (offsets is None and isa().startswith("avx2") or packed.shape[2] == 16)
     qmax = 32639 if offsets is not None else 32767  # int4 tiles: two signed bytes
     y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+    y = (y if bias is None else y + bias.float()).to(x.dtype)
+    return y if residual is None else residual + y
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

@@ -85,23 +85,25 @@ transformer_configs = {
 }
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """x @ weight.T (+ bias). A packed weight (pack_weights(), on CPU) goes to the small-M kernel of kernels.py: one
-    pass over the weight for up to 16 tokens, each row computed the same way whatever the number of tokens, which
-    is what keeps bf16 EAGLE exact. Otherwise F.linear, except for one token under torch.compile (CUDA, or a CPU
-    without the kernel): there the product is a multiply-sum Inductor fuses into one vectorised reduction, which
-    reads the weight faster than a gemv."""
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """x @ weight.T (+ bias) (+ residual, added to the result in x's dtype). A packed weight (pack_weights(), on CPU)
+    goes to the small-M kernel of kernels.py: one pass over the weight for up to 16 tokens, each row computed the same
+    way whatever the number of tokens, which is what keeps bf16 EAGLE exact; it adds the residual itself. Otherwise
+    F.linear, except for one token under torch.compile (CUDA, or a CPU without the kernel): there the product is a
+    multiply-sum Inductor fuses into one vectorised reduction, which reads the weight faster than a gemv."""
     if weight.dim() == 4:
-        return kernels.linear(x, weight, bias)
+        return kernels.linear(x, weight, bias, residual=residual)
     if (x.dim() > 1 and x.shape[-2] != 1) or not torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)
-    y = (x.float().unsqueeze(-2) * weight.float()).sum(-1)  # (..., 1, in) * (out, in) -> (..., out), fp32 sums
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+        y = F.linear(x, weight, bias)
+    else:
+        y = (x.float().unsqueeze(-2) * weight.float()).sum(-1)  # (..., 1, in) * (out, in) -> (..., out), fp32 sums
+        y = (y if bias is None else y + bias.float()).to(x.dtype)
+    return y if residual is None else residual + y
 
 
 class Linear(nn.Linear):
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+        return linear(x, self.weight, self.bias, residual)
 
 
 class Embedding(nn.Embedding):
@@ -233,10 +235,18 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        # wo and w2 add the residual stream themselves (x + attention, h + MLP): kernels.py's linears write the sum,
+        # and each norm reads one tensor (compiled, it had re-added the stream's last 3-4 terms: 0.1 ms of a 5-token
+        # forward, docs/performance.md). Tensor-parallel blocks all-reduce their attention and MLP outputs first
+        # (tp.shard_model turns this off).
+        self.residual_inside = True
 
     def forward(self, x, input_pos, freqs_cis, mask):
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        if not self.residual_inside:
+            h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+            return h + self.feed_forward(self.ffn_norm(h))
+        h = self.attention(self.attention_norm(x), freqs_cis, mask, input_pos, residual=x)
+        return self.feed_forward(self.ffn_norm(h), residual=h)
 
 
 class Attention(nn.Module):
@@ -249,7 +259,7 @@ class Attention(nn.Module):
         self.wo = Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache = None
 
-    def forward(self, x, freqs_cis, mask, input_pos):
+    def forward(self, x, freqs_cis, mask, input_pos, residual=None):
         B, T, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -266,7 +276,7 @@ class Attention(nn.Module):
             y = small_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_size), residual)
 
 
 # Up to this many query tokens (decode, draft and verify steps) attention is two matmuls and a softmax. For one
@@ -313,11 +323,11 @@ class FeedForward(nn.Module):
         self.w3 = Linear(config.dim, config.intermediate_size, bias=False)  # up
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)  # down
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
         if self.w1 is None:  # fused (fuse_gate_up): one kernel call for both
             gate, up = self.w13(x).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(F.silu(gate) * up, residual)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x), residual)
 
     def fuse_gate_up(self):
         """Packed w1 and w3 (any weight kind pack_weights or quantize.prepare left in kernels.py's blocks) as one

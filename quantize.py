@@ -107,11 +107,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
         if self.weight.dim() == 4:
-            return kernels.linear(x, self.weight, self.bias, scales=self.scales)
+            return kernels.linear(x, self.weight, self.bias, scales=self.scales, residual=residual)
         y = F.linear(x, self.weight.to(x.dtype)) * self.scales
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else residual + y
 
 
 class Int8Embedding(nn.Module):
@@ -156,16 +157,17 @@ class Int4Linear(nn.Module):
         assert self.layout in ("file", "dequant"), "the packed layout cannot be dequantized"
         return dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)[:, :self.in_features]
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        added = residual is not None and self.layout == "packed" and self.bias is None  # by kernels.py's op
         if self.layout in ("file", "dequant"):
             y = F.linear(x2, self.dequantize().to(x.dtype))
         else:
             if self.padded > self.in_features:  # zero columns of x meet the padding columns of the weight
                 x2 = F.pad(x2, (0, self.padded - self.in_features))
             if self.layout == "packed":  # kernels.py: w = q * scale + offset, fp32 sums
-                y = kernels.linear(x2, self.weight, None, self.scales, self.offsets)
+                y = kernels.linear(x2, self.weight, None, self.scales, self.offsets, residual if added else None)
             # torch's kernels run in bf16: CUDA's takes nothing else, and the CPU one, which in torch 2.13 also takes
             # fp32 with fp32 scales, ran a 256-token forward of the default model 10-50x slower in fp32 than in bf16
             elif self.layout == "cpu":
@@ -175,7 +177,8 @@ class Int4Linear(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.weight, self.groupsize,
                                                        self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*lead, self.out_features)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None or added else residual + y
 
     def prepare(self, dtype, use_kernel=True, pack=True):
         """Ready for this device: on CPU packed for kernels.py (pack), else for torch's int4 kernel; scales in

@@ -119,5 +119,6 @@ def shard_model(model: Transformer, rank: int, world: int) -> Transformer:
         _shard_linear(ff.w2, rank, world, "cols")
         att.register_forward_hook(_all_reduce)
         ff.register_forward_hook(_all_reduce)
+        block.residual_inside = False  # the residual goes after the all-reduce, not into wo and w2's partial sums
     model.tp = (rank, world)
     return model

@@ -51,6 +51,15 @@ def test_linear_matches_reference_and_rows_are_independent(kind, N):
     for M in (1, 2, 5, 6, 7, 9, 16, 17, 33, 64):
         assert torch.equal(kernels.linear(x[:M], packed, bias, scales, offsets), y[:M]), M
         assert torch.equal(kernels.linear(x[M - 1:M + 3], packed, bias, scales, offsets), y[M - 1:M + 3]), M
+    # a residual added by the op: the output rounded to x's dtype, then the sum rounded, as eager's residual + y
+    residual = torch.randn(70, N).to(x.dtype)
+    with_residual = kernels.linear(x, packed, bias, scales, offsets, residual=residual)
+    assert torch.equal(with_residual, residual + y)
+    assert torch.equal(kernels.linear_reference(x, packed, bias, scales, offsets, residual), residual + ref)
+    for M in (1, 5, 17, 65):
+        assert torch.equal(kernels.linear(x[:M], packed, bias, scales, offsets, residual=residual[:M]), with_residual[:M])
+    with pytest.raises(RuntimeError, match="the residual must be a contiguous"):
+        torch.ops.eagle_fast.linear(x, packed, scales, offsets, bias, residual[:, :N - 4])
 
 
 def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():

@@ -294,7 +294,7 @@ def test_int4_kernel_that_disagrees_is_not_used(monkeypatch):
     assert "disagrees with dequantization" in layer.prepare(torch.bfloat16, pack=False) and layer.layout == "dequant"
     if kernels.load():  # the same for kernels.py's kernel, here with the offsets off by 8 scales
         real_linear = kernels.linear
-        monkeypatch.setattr(kernels, "linear", lambda x, w, b, s, o: real_linear(x, w, b, s, o + 8 * s))
+        monkeypatch.setattr(kernels, "linear", lambda x, w, b, s, o, r=None: real_linear(x, w, b, s, o + 8 * s, r))
         _, layer = int4_layer()
         assert "disagrees with dequantization" in layer.prepare(torch.bfloat16) and layer.layout == "dequant"
 
@@ -472,3 +472,22 @@ def test_int8pack_mm_on_a_misaligned_weight_and_the_aligned_loader(tmp_path):
     assert loaded.returncode == 0 and loaded.stdout.split() == ["0"], loaded.stderr[-500:]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # the AVX-512 build has the aligned loads (torch 2.13)
         assert raw.returncode != 0, "torch's _weight_int8pack_mm takes misaligned weights now: aligned() can go"
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_the_residual_added_inside_wo_and_w2_changes_no_bit(mode):
+    """TransformerBlock hands the residual stream to wo and w2 (kernels.py's op adds it to its rounded output); the
+    forward is bit for bit the one with the adds outside (what tensor-parallel blocks and other devices run)."""
+    model = make_tiny_model(**WIDE).to(torch.bfloat16)
+    model = pack_weights(model) if mode is None else quantized(model, mode, 32, dtype=torch.bfloat16)
+    packed = [m for m in model.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 4]
+    if not packed:
+        pytest.skip("kernels.py does not run here: nothing is packed")
+    model.setup_caches(1, 64)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        inside = model(tokens, torch.arange(9))
+        for block in model.layers:
+            block.residual_inside = False
+        outside = model(tokens, torch.arange(9))
+    assert torch.equal(inside, outside)
