@@ -2592,7 +2592,8 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, packed, bias, residual)):
         y = _FrozenPackedLinear.apply(x2, packed, bias, scales, offsets)
-        return y.view(*x.shape[:-1], y.shape[-1]) + (0 if residual is None else residual)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if residual is None else residual + y
     if residual is not None:
         residual = residual.reshape(x2.shape[0], -1).contiguous()
     y = torch.ops.eagle_fast.linear(x2, packed, scales, offsets, bias, residual)  # no Python on the way
