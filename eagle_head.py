@@ -157,8 +157,10 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds, hidden, input_pos, freqs_cis, mask):
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_norm(embeds), normed], dim=-1)  # (B, T, 2 * dim)
-        h = (normed if self.norm_before_residual else hidden) + self.attention(x, freqs_cis, mask, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # wo and w2 add the residuals themselves, as in the target's TransformerBlock (the same bits: kernels.py's
+        # op rounds its output, then adds; elsewhere it is residual + y)
+        h = self.attention(x, freqs_cis, mask, input_pos, residual=normed if self.norm_before_residual else hidden)
+        return self.feed_forward(self.ffn_norm(h), residual=h)
 
 
 class Eagle3Head(nn.Module):

@@ -407,7 +407,7 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
     return tokens, stats
 
 
-AUTO_SIZES = (4, 8, 12, 16, 24, 32)
+AUTO_SIZES = (3, 4, 8, 12, 16, 24, 32)  # 3: int4's default on AMX (default_tree)
 
 
 def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, new_tokens=32, rounds=2):

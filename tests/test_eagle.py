@@ -448,8 +448,8 @@ def test_total_tokens_auto_picks_the_fastest_size(monkeypatch):
     monkeypatch.setattr(gen.time, "perf_counter", lambda: clock[0])
     best, table = gen.auto_total_tokens(model, head, [3, 1, 4, 1, 5], depth=4, top_k=3, new_tokens=10)
     assert best == 12
-    assert list(table) == [4, 8, 12, 16, 24]  # 32 exceeds the 3 + 3 * 9 = 30 nodes depth 4, top-k 3 can offer
-    assert seen == [4, 8, 12, 16, 24] * 2  # interleaved rounds
+    assert list(table) == [3, 4, 8, 12, 16, 24]  # 32 exceeds the 3 + 3 * 9 = 30 nodes depth 4, top-k 3 can offer
+    assert seen == [3, 4, 8, 12, 16, 24] * 2  # interleaved rounds
     assert all(tau >= 1 for _, tau in table.values())
 
 

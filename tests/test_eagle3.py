@@ -147,6 +147,33 @@ def test_eagle3_bf16_exact_on_the_small_m_kernels():
     assert greedy(model, [1, 2, 3, 4, 5], draft=drafter)[0] == greedy(model, [1, 2, 3, 4, 5])[0]
 
 
+@pytest.mark.parametrize("weights", ["bf16", "packed", "int8", "int4"])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_layer_adds_its_residuals_inside_wo_and_w2_bit_for_bit(weights, norm_before_residual):
+    """Eagle3Layer hands its residuals to wo and w2 as the target's blocks do: the same bits as the adds outside,
+    with the feature (or its normed form) as the attention's residual."""
+    import quantize as Q
+    from model import pack_weights, precompute_freqs_cis
+    model = make_tiny_model(dim=128, intermediate_size=256)
+    head = random_head(model, seed=3, kind="eagle3", draft_vocab_size=48).to(torch.bfloat16)
+    if weights == "packed":
+        pack_weights(head)
+    elif weights != "bf16":
+        Q.quantize_model(head, weights, 32)
+        Q.prepare(head, torch.bfloat16)
+    layer, c, T = head.layer, model.config, 5
+    layer.norm_before_residual = norm_before_residual
+    embeds, hidden = torch.randn(2, 1, T, c.dim, dtype=torch.bfloat16)
+    freqs, mask = precompute_freqs_cis(T, c.head_dim, c.rope_base), torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        inside = layer(embeds, hidden, torch.arange(T), freqs, mask)
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_norm(embeds), normed], -1)
+        h = (normed if norm_before_residual else hidden) + layer.attention(x, freqs, mask, torch.arange(T))
+        outside = h + layer.feed_forward(layer.ffn_norm(h))
+    assert torch.equal(inside, outside)
+
+
 def test_download_keeps_a_published_head_as_is(tmp_path, monkeypatch, capsys):
     """scripts/download.py --head: the files as published (no conversion), then --draft reads them."""
     import scripts.download as dl
