@@ -52,8 +52,8 @@ MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify st
 # version, and a change to an op's output must bump it (a graph cached before the attention's output became
 # (B, T, H, D)-strided failed its stride assertion; 3: the linear of tall int8 blocks, N = 16 x blocks; their
 # layout changed since, not what the op returns; 4: their row lookup became an op, tile_rows; 5: graphs call
-# the ops' C functions, c_shims; 6: the linear takes a residual)
-OPS_VERSION = 6
+# the ops' C functions, c_shims; 6: the linear takes a residual; 7: bf16 in tall blocks on AMX)
+OPS_VERSION = 7
 
 CPP = r"""
 #include <torch/library.h>
@@ -546,6 +546,101 @@ void run_amx(const Lin& a) {
       configure_tiles(cols);
       if (nb == 2) amx_blocks<2>(p, xt.data(), cols, b0, b1);
       else amx_blocks<1>(p, xt.data(), cols, b0, b1);
+      _tile_release();
+    });
+  }
+}
+
+// bf16 weights in tall blocks (pack on an AMX CPU, _bf16_tiles), the int8 way round: each 16 weight rows x 32
+// columns (1 KB) are the tiles' B operand as packed (16 column pairs x 16 rows' pairs), read straight from the
+// weight stream; the activations are A as they lie in x (up to 16 rows of 32 columns a tile, 2K bytes apart). One
+// product per 512 weights whatever M is up to 16, where the weights as A (4 rows a product) took 4; and C (rows x 16
+// outputs) gets, for each output, the same pair products in the same order as the weights-as-A tiles gave it (the
+// operands' roles swapped: a . b = b . a, exact in fp32), so the same bits.
+inline void configure_tiles_bf16_tall(int rows) {
+  TileConfig c;
+  c.rows[0] = 16, c.colsb[0] = 64;                                 // B: a weight block's 32 columns
+  for (int t = 2; t <= 3; t++) c.rows[t] = rows, c.colsb[t] = 64;  // A: a panel's 32 columns (two, alternating)
+  for (int t = 4; t <= 7; t++) c.rows[t] = rows, c.colsb[t] = 64;  // C: up to 4 panels' sums
+  load_tile_config(c);
+}
+
+// one block of 16 weight rows (n0) x P panels of c rows of x (xb: (rows, K) bf16), the sums left in tiles 4..3+P
+template <int P>
+inline void bf16_tall_products(const Lin& a, const uint16_t* xb, int c, int64_t n0) {
+  const int64_t KB = a.K / 32, stride = 2 * a.K, panel = c * a.K;
+  const char* w = a.w + (n0 / 16) * KB * 1024;
+  _tile_zero(4);
+  if (P > 1) _tile_zero(5);
+  if (P > 2) _tile_zero(6);
+  if (P > 3) _tile_zero(7);
+  for (int64_t kb = 0; kb < KB; kb++) {
+    const char* p = w + kb * 1024;
+    if (a.ahead_lines)
+      for (int l = 0; l < 16; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
+    _tile_loadd(0, p, 64);
+    _tile_loadd(2, xb + 32 * kb, stride);
+    _tile_dpbf16ps(4, 2, 0);
+    if (P > 1) {
+      _tile_loadd(3, xb + panel + 32 * kb, stride);
+      _tile_dpbf16ps(5, 3, 0);
+    }
+    if (P > 2) {
+      _tile_loadd(2, xb + 2 * panel + 32 * kb, stride);
+      _tile_dpbf16ps(6, 2, 0);
+    }
+    if (P > 3) {
+      _tile_loadd(3, xb + 3 * panel + 32 * kb, stride);
+      _tile_dpbf16ps(7, 3, 0);
+    }
+  }
+}
+
+inline void store_bf16_tall_sums(int pn, float* sums) {  // panel pn's sums (the tile numbers are immediates)
+  if (pn == 0) _tile_stored(4, sums, 64);
+  else if (pn == 1) _tile_stored(5, sums, 64);
+  else if (pn == 2) _tile_stored(6, sums, 64);
+  else _tile_stored(7, sums, 64);
+}
+
+void run_amx_bf16_tall(const Lin& a) {
+  const int64_t blocks = a.N / 16;
+  const int64_t grain = std::max<int64_t>(1, 65536 / 32 / std::max<int64_t>(a.K, 1));
+  static thread_local std::vector<uint16_t> xpad;
+  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {  // up to 64 rows (4 panels of 16) a pass over the weights
+    const int64_t rows = std::min<int64_t>(64, a.M - p0), panels = (rows + 15) / 16;
+    const int c = (int)((rows + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
+    const uint16_t* xb = a.xb + p0 * a.K;
+    if (panels * c > rows) {  // the last panel's tile would read rows past x: a copy with zero rows
+      xpad.assign(panels * c * a.K, 0);
+      std::memcpy(xpad.data(), xb, rows * a.K * 2);
+      xb = xpad.data();
+    }
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      configure_tiles_bf16_tall(c);
+      // one panel: a block's outputs are finished after the next block's products, when its tile store has reached
+      // L1 (as run_amx_i8_tall); more panels store and finish panel by panel
+      alignas(64) float sums[2][16][16];
+      auto finish = [&](const float (*s)[16], int pn, int64_t n0) {
+        const int64_t m0 = p0 + pn * c, mp = std::min<int64_t>(c, p0 + rows - m0);
+        for (int64_t m = 0; m < mp; m++) finish16(a, m0 + m, n0, _mm512_load_ps(s[m]));
+      };
+      for (int64_t b = b0; b < b1; b++) {
+        if (panels == 1) {
+          bf16_tall_products<1>(a, xb, c, 16 * b);
+          _tile_stored(4, sums[b & 1], 64);
+          if (b > b0) finish(sums[(b & 1) ^ 1], 0, 16 * (b - 1));
+          continue;
+        }
+        if (panels == 2) bf16_tall_products<2>(a, xb, c, 16 * b);
+        else if (panels == 3) bf16_tall_products<3>(a, xb, c, 16 * b);
+        else bf16_tall_products<4>(a, xb, c, 16 * b);
+        for (int pn = 0; pn < panels; pn++) {
+          store_bf16_tall_sums(pn, &sums[0][0][0]);
+          finish(sums[0], pn, 16 * b);
+        }
+      }
+      if (panels == 1 && b1 > b0) finish(sums[(b1 - 1) & 1], 0, 16 * (b1 - 1));
       _tile_release();
     });
   }
@@ -1090,6 +1185,7 @@ void run_amx_i8_tall(const Lin& a, const E* x, float* xs) {  // x (M, K) fp32 or
 #pragma GCC pop_options
 #else
 void run_amx(const Lin&) {}  // never called: amx_usable() is false
+void run_amx_bf16_tall(const Lin&) {}
 void run_amx_i4(const Lin&) {}
 template <typename E>
 void run_amx_i8_tall(const Lin&, const E*, float*) {}
@@ -1493,8 +1589,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  TORCH_CHECK(w.size(2) == 4 || ((wt == W_I8 || wt == W_I4) && level == AMX && K <= 65536),
-              "eagle_fast::linear: tall blocks (16 rows) are for int8 and int4 weights on AMX CPUs (kernels.pack made them here)");
+  TORCH_CHECK(w.size(2) == 4 || ((wt == W_I8 || wt == W_I4 || wt == W_BF16) && level == AMX && K <= 65536),
+              "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
   at::Tensor sc, of, bs;
@@ -1558,7 +1654,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     // layouts do not take) these vectors; int4 dequantized to bf16 and stored for the bf16 tiles had cost one row
     // 2.5x the vectors' time (42 -> 104 us, 1536 x 576), 5 rows about the same
     if (level == AMX && wt == W_BF16) {
-      run_amx(a);
+      if (tall) run_amx_bf16_tall(a);
+      else run_amx(a);
       return out;
     }
     // up to 6 rows (one activation block) the weights are converted in registers, more rows read them converted
@@ -2313,25 +2410,28 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-// Rows idx of int8 weights in tall blocks (_int8_tiles), (*idx.shape, K): the tied int8 embedding's lookup. An op of
-// its own: Inductor's code for the same gather as tensor indexing (packed_rows) read some wrong rows inside EAGLE's
-// compiled cycle (greedy EAGLE parted from plain decoding on 3 of 20 prompts), where it was right on its own
+// Rows idx of int8 or bf16 weights in tall blocks (_int8_tiles, _bf16_tiles), (*idx.shape, K): the tied
+// embedding's lookup. Both lay a block out in 64-byte lines of 16 rows x 4 bytes (int8: 4 columns, bf16: 2), a row's
+// 4 bytes at 4 (row % 16) of each line. An op of its own: Inductor's code for the same gather as tensor indexing
+// (packed_rows) read some wrong rows inside EAGLE's compiled cycle (greedy EAGLE parted from plain decoding on 3 of
+// 20 prompts), where it was right on its own
 at::Tensor tile_rows(const at::Tensor& w, const at::Tensor& idx) {
-  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 32 && w.scalar_type() == at::kChar && w.is_contiguous() &&
-              w.size(1) % 2 == 0, "eagle_fast::tile_rows: an int8 weight in tall blocks");
-  const int64_t N = 16 * w.size(0), K = 32 * w.size(1), KP = K / 64;
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 32 && w.is_contiguous() &&
+              ((w.scalar_type() == at::kChar && w.size(1) % 2 == 0) || w.scalar_type() == at::kBFloat16),
+              "eagle_fast::tile_rows: an int8 or bf16 weight in tall blocks");
+  const int64_t N = 16 * w.size(0), K = 32 * w.size(1), lines = K * w.element_size() / 4;  // a row's 4-byte pieces
   const at::Tensor ic = idx.to(at::kLong).contiguous();
   std::vector<int64_t> shape(idx.sizes().begin(), idx.sizes().end());
   shape.push_back(K);
   at::Tensor out = at::detail::empty_cpu(shape, w.scalar_type());
-  const int8_t* wp = w.data_ptr<int8_t>();
+  const char* wp = (const char*)w.data_ptr();
   const int64_t* ip = ic.data_ptr<int64_t>();
-  int8_t* op = out.data_ptr<int8_t>();
+  char* op = (char*)out.data_ptr();
   for (int64_t i = 0; i < ic.numel(); i++) {
     const int64_t row = ip[i] < 0 ? ip[i] + N : ip[i];
     TORCH_CHECK(row >= 0 && row < N, "eagle_fast::tile_rows: index ", ip[i], " out of range for ", N, " rows");
-    const int8_t* src = wp + (row / 16) * KP * 1024 + (row % 16) * 4;  // (block, 64 columns, quad, row, 4)
-    for (int64_t q = 0; q < KP * 16; q++) std::memcpy(op + i * K + 4 * q, src + (q / 16) * 1024 + (q % 16) * 64, 4);
+    const char* src = wp + (row / 16) * lines * 64 + (row % 16) * 4;  // (block, line, row, 4 bytes)
+    for (int64_t l = 0; l < lines; l++) std::memcpy(op + (i * lines + l) * 4, src + 64 * l, 4);
   }
   return out;
 }
@@ -2474,14 +2574,16 @@ def can_pack(weight: Tensor) -> bool:
 
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
-    (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); int8 and int4 on AMX (block_rows 16) as the int8 tiles' B
-    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_int8_tiles, _int4_tiles). The same numbers, re-laid so
+    (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); bf16, int8 and int4 on AMX (block_rows 16) as the tiles' B
+    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_bf16_tiles, _int8_tiles, _int4_tiles). The same numbers, re-laid so
     that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages
     (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
     if weight.dtype == torch.uint8 and R == 16:
         blocks = _int4_tiles(weight.detach())
+    elif weight.dtype == torch.bfloat16 and R == 16:
+        blocks = _bf16_tiles(weight.detach())
     elif R == 16:
         blocks = _int8_tiles(weight.detach())
     else:
@@ -2515,12 +2617,12 @@ def on_huge_pages(t: Tensor) -> bool:
 
 
 def block_rows(weight: Tensor) -> int:
-    """Rows of pack()'s blocks: 16 for int8 and int4 weights where the AMX build runs (N % 16 == 0, K % 64 == 0: a
-    block is the int8 tiles' B operand, _int8_tiles / _int4_tiles); else 4."""
+    """Rows of pack()'s blocks: 16 for bf16, int8 and int4 weights where the AMX build runs (N % 16 == 0, K % 64 ==
+    0: a block is the tiles' B operand, _bf16_tiles / _int8_tiles / _int4_tiles); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
-    tall = (weight.dtype in (torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536
-            and K % 64 == 0)
+    tall = (weight.dtype in (torch.bfloat16, torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0
+            and K <= 65536 and K % 64 == 0)
     return 16 if tall and load() and isa() == "amx" else 4
 
 
@@ -2532,6 +2634,14 @@ def _int4_tiles(nibbles: Tensor) -> Tensor:
     q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(N // 16, 16, -1, 2, 8, 4)  # (blk, n, kp, half, r, j)
     q = q.permute(0, 2, 3, 4, 1, 5)  # (blk, kp, half, r, n, j)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N // 16, -1, 16, 32)
+
+
+def _bf16_tiles(weight: Tensor) -> Tensor:
+    """bf16 (N, K) -> (N/16, K/32, 16, 32): for each 16 rows and 32 columns, 1 KB laid out as (16 pairs, 16 rows, 2
+    columns), element (p, n, j) column 2p + j of row n: a bf16 B tile (VNNI order)."""
+    N, K = weight.shape
+    q = weight.reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (blk, kb, p, n, j)
+    return q.reshape(N // 16, K // 32, 16, 32)
 
 
 def _int8_tiles(weight: Tensor) -> Tensor:
@@ -2563,6 +2673,8 @@ def unpack(packed: Tensor) -> Tensor:
         v = packed.reshape(B, KB, 1, 8, 16, 4)
         q = torch.cat([v & 15, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(16 * B, 64 * KB)  # (blk, n, kp, half, r, j)
         return q[:, 0::2] | (q[:, 1::2] << 4)
+    if R == 16 and packed.dtype == torch.bfloat16:  # _bf16_tiles
+        return packed.reshape(B, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(16 * B, 32 * KB)
     if R == 16:  # _int8_tiles
         return packed.reshape(B, KB // 2, 16, 16, 4).permute(0, 3, 1, 2, 4).reshape(16 * B, 32 * KB)
     return packed.transpose(1, 2).reshape(R * B, KB * C)
@@ -2575,7 +2687,7 @@ def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
         v = packed.view(B, KB, 8, 16, 4)[idx // 16, :, :, idx % 16, :].flatten(-2)  # (..., K/64, 32)
         q = torch.cat([v & 15, v >> 4], dim=-1).flatten(-2)  # (..., K) values in column order
         return q[..., 0::2] | (q[..., 1::2] << 4)
-    if R == 16:  # _int8_tiles, by an op (see tile_rows in the C++)
+    if R == 16:  # _int8_tiles, _bf16_tiles: by an op (see tile_rows in the C++)
         return torch.ops.eagle_fast.tile_rows(packed, idx)
     return packed[idx // R, :, idx % R].flatten(-2)
 

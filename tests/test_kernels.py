@@ -141,7 +141,35 @@ def test_int8_tiles_layout_on_amx():
     ref = kernels.linear_reference(x, short, None, scales[:44])  # float x: no rounding to 16 bits
     assert torch.allclose(kernels.linear(x, short, None, scales[:44]).float(), ref.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="tall blocks"):
-        kernels.linear(x, torch.zeros(3, 10, 16, 32, dtype=torch.bfloat16))
+        kernels.linear(x.float(), torch.zeros(3, 10, 16, 32))
+
+
+def test_bf16_tiles_layout_on_amx():
+    """On AMX, pack() lays bf16 weights out as the bf16 tiles' B operand (16 rows x 32 columns in 1 KB, VNNI pairs;
+    _bf16_tiles), which unpack() and packed_rows() read back; the op's outputs are those of the 4-row blocks bit for
+    bit (the same pair products in the same order, the tiles' roles swapped) at every M, with a bias and a residual;
+    N % 16 != 0 or K % 64 != 0 keep 4-row blocks."""
+    if kernels.isa() != "amx":
+        pytest.skip("the bf16 tile layout is the AMX build's")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 320, generator=g).bfloat16()
+    tall = kernels.pack(w)
+    assert tall.shape == (3, 10, 16, 32) and torch.equal(kernels.unpack(tall), w)
+    tiles = tall.view(3, 10, 16, 16, 2)  # (block, 32 columns, pair p, row n, j)
+    for blk, kb, pr, n, j in [(0, 0, 0, 0, 0), (1, 2, 3, 5, 1), (2, 9, 15, 15, 1), (1, 4, 6, 0, 0)]:
+        assert tiles[blk, kb, pr, n, j].item() == w[16 * blk + n, 32 * kb + 2 * pr + j].item()
+    idx = torch.tensor([[0, 15, 16], [47, 33, -1]])
+    assert torch.equal(kernels.packed_rows(tall, idx), w[idx])
+    rows4 = w.reshape(12, 4, 10, 32).transpose(1, 2).contiguous()  # the 4-row layout the AMX tiles took before
+    bias, residual = torch.randn(48, generator=g), torch.randn(70, 48, generator=g).bfloat16()
+    x = torch.randn(70, 320, generator=g).bfloat16()
+    x[3] = 0.0
+    for M in (1, 2, 3, 5, 9, 15, 16, 17, 33, 64, 65, 70):
+        for b, r in ((None, None), (bias, residual[:M])):
+            y = torch.ops.eagle_fast.linear(x[:M], tall, None, None, b, r)
+            assert torch.equal(y, torch.ops.eagle_fast.linear(x[:M], rows4, None, None, b, r)), M
+    assert torch.equal(y[:5], kernels.linear(x[:5], tall, bias, residual=residual[:5]))  # rows alone = rows together
+    assert kernels.pack(w[:44]).shape == (11, 10, 4, 32) and kernels.pack(w[:, :288]).shape == (12, 9, 4, 32)
 
 
 @pytest.mark.parametrize("G", [32, 256])
