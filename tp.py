@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import kernels
 from model import Transformer
 from quantize import Int4Linear, Int8Linear
 
@@ -108,6 +109,7 @@ def shard_model(model: Transformer, rank: int, world: int) -> Transformer:
         return model
     c = model.config
     check_shardable(c, world)
+    kernels.BF16_TILES = False  # bf16 in 4-row blocks in this process (kernels.py says why)
     for block in model.layers:
         att, ff = block.attention, block.feed_forward
         splits = [att.n_head * att.head_dim, att.n_local_heads * att.head_dim, att.n_local_heads * att.head_dim]

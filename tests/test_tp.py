@@ -70,3 +70,14 @@ def test_shards_are_this_process_share_and_refused_when_uneven(checkpoint):
         assert torch.equal(att.wo.weight, full.layers[0].attention.wo.weight.chunk(2, 1)[rank])
     with pytest.raises(ValueError, match="3 processes cannot share 4 attention heads"):
         tp.check_shardable(c, 3)
+
+
+def test_a_sharded_process_keeps_bf16_in_four_row_blocks(checkpoint, monkeypatch):
+    """tp.shard_model turns kernels.BF16_TILES off for its process: compiled bf16 EAGLE under torchrun with the
+    tall LM head gave each process other draft features (kernels.py, docs/performance.md "Forty-eighth session")."""
+    import kernels
+    monkeypatch.setattr(kernels, "BF16_TILES", True)  # restored after the test
+    model = load_model(checkpoint, pack=False)
+    tp.shard_model(model, 0, 2)
+    assert kernels.BF16_TILES is False
+    assert kernels.block_rows(torch.zeros(64, 128, dtype=torch.bfloat16)) == 4
