@@ -2617,9 +2617,9 @@ def on_huge_pages(t: Tensor) -> bool:
 
 
 # bf16 weights in tall blocks (below). tp.shard_model turns it off for its process: under torchrun, compiled EAGLE
-# on bf16 with the tall LM head gave each process other draft features from the first cycle (the tied embedding's
-# rows or the head's logits; not found yet) until their collectives parted; with that one matrix in 4-row blocks
-# the processes agreed, bit for bit with the 4-row build (docs/performance.md, "Forty-eighth session")
+# on bf16 with the tall LM head gave each process other draft features from the first cycle until their
+# collectives parted: the tied embedding's rows by tile_rows there (by indexing the ranks agreed; the cause inside
+# the compiled graph not found), docs/performance.md, "Forty-eighth session"
 BF16_TILES = True
 
 
