@@ -551,7 +551,7 @@ void run_amx(const Lin& a) {
   }
 }
 
-// bf16 weights in tall blocks (pack on an AMX CPU, _bf16_tiles), the int8 way round: each 16 weight rows x 32
+// bf16 weights in tall blocks (pack on an AMX CPU, _vnni_tiles), the int8 way round: each 16 weight rows x 32
 // columns (1 KB) are the tiles' B operand as packed (16 column pairs x 16 rows' pairs), read straight from the
 // weight stream; the activations are A as they lie in x (up to 16 rows of 32 columns a tile, 2K bytes apart). One
 // product per 512 weights whatever M is up to 16, where the weights as A (4 rows a product) took 4; and C (rows x 16
@@ -563,6 +563,14 @@ inline void configure_tiles_bf16_tall(int rows) {
   for (int t = 2; t <= 3; t++) c.rows[t] = rows, c.colsb[t] = 64;  // A: a panel's 32 columns (two, alternating)
   for (int t = 4; t <= 7; t++) c.rows[t] = rows, c.colsb[t] = 64;  // C: up to 4 panels' sums
   load_tile_config(c);
+}
+
+// panel pn's sums from C tile 4 + pn (the tall bf16 and int8 paths; the tile numbers are immediates)
+inline void store_sums(int pn, void* sums) {
+  if (pn == 0) _tile_stored(4, sums, 64);
+  else if (pn == 1) _tile_stored(5, sums, 64);
+  else if (pn == 2) _tile_stored(6, sums, 64);
+  else _tile_stored(7, sums, 64);
 }
 
 // one block of 16 weight rows (n0) x P panels of c rows of x (xb: (rows, K) bf16), the sums left in tiles 4..3+P
@@ -594,13 +602,6 @@ inline void bf16_tall_products(const Lin& a, const uint16_t* xb, int c, int64_t 
       _tile_dpbf16ps(7, 3, 0);
     }
   }
-}
-
-inline void store_bf16_tall_sums(int pn, float* sums) {  // panel pn's sums (the tile numbers are immediates)
-  if (pn == 0) _tile_stored(4, sums, 64);
-  else if (pn == 1) _tile_stored(5, sums, 64);
-  else if (pn == 2) _tile_stored(6, sums, 64);
-  else _tile_stored(7, sums, 64);
 }
 
 void run_amx_bf16_tall(const Lin& a) {
@@ -636,7 +637,7 @@ void run_amx_bf16_tall(const Lin& a) {
         else if (panels == 3) bf16_tall_products<3>(a, xb, c, 16 * b);
         else bf16_tall_products<4>(a, xb, c, 16 * b);
         for (int pn = 0; pn < panels; pn++) {
-          store_bf16_tall_sums(pn, &sums[0][0][0]);
+          store_sums(pn, &sums[0][0][0]);
           finish(sums[0], pn, 16 * b);
         }
       }
@@ -1120,12 +1121,6 @@ inline void amx_i8_tall_products(const Lin& a, const int8_t* xb, int c, int64_t 
       _tile_dpbssd(6, 3, 0);
     }
   }
-}
-
-inline void store_sums(int pn, int32_t* sums) {  // panel pn's sums (the tile numbers are immediates)
-  if (pn == 0) _tile_stored(4, sums, 64);
-  else if (pn == 1) _tile_stored(5, sums, 64);
-  else _tile_stored(6, sums, 64);
 }
 
 // panel pn's outputs of block n0 from its sums, each rounded once
@@ -2410,7 +2405,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-// Rows idx of int8 or bf16 weights in tall blocks (_int8_tiles, _bf16_tiles), (*idx.shape, K): the tied
+// Rows idx of int8 or bf16 weights in tall blocks (_vnni_tiles), (*idx.shape, K): the tied
 // embedding's lookup. Both lay a block out in 64-byte lines of 16 rows x 4 bytes (int8: 4 columns, bf16: 2), a row's
 // 4 bytes at 4 (row % 16) of each line. An op of its own: Inductor's code for the same gather as tensor indexing
 // (packed_rows) read some wrong rows inside EAGLE's compiled cycle (greedy EAGLE parted from plain decoding on 3 of
@@ -2575,17 +2570,15 @@ def can_pack(weight: Tensor) -> bool:
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
     (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); bf16, int8 and int4 on AMX (block_rows 16) as the tiles' B
-    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_bf16_tiles, _int8_tiles, _int4_tiles). The same numbers, re-laid so
+    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles). The same numbers, re-laid so
     that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages
     (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
     if weight.dtype == torch.uint8 and R == 16:
         blocks = _int4_tiles(weight.detach())
-    elif weight.dtype == torch.bfloat16 and R == 16:
-        blocks = _bf16_tiles(weight.detach())
     elif R == 16:
-        blocks = _int8_tiles(weight.detach())
+        blocks = _vnni_tiles(weight.detach())
     else:
         blocks = weight.detach().reshape(N // R, R, width // C, C).transpose(1, 2)
     packed = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
@@ -2625,7 +2618,7 @@ BF16_TILES = True
 
 def block_rows(weight: Tensor) -> int:
     """Rows of pack()'s blocks: 16 for bf16 (BF16_TILES), int8 and int4 weights where the AMX build runs (N % 16 ==
-    0, K % 64 == 0: a block is the tiles' B operand, _bf16_tiles / _int8_tiles / _int4_tiles); else 4."""
+    0, K % 64 == 0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
     kinds = (torch.bfloat16, torch.int8, torch.uint8) if BF16_TILES else (torch.int8, torch.uint8)
@@ -2643,19 +2636,13 @@ def _int4_tiles(nibbles: Tensor) -> Tensor:
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N // 16, -1, 16, 32)
 
 
-def _bf16_tiles(weight: Tensor) -> Tensor:
-    """bf16 (N, K) -> (N/16, K/32, 16, 32): for each 16 rows and 32 columns, 1 KB laid out as (16 pairs, 16 rows, 2
-    columns), element (p, n, j) column 2p + j of row n: a bf16 B tile (VNNI order)."""
+def _vnni_tiles(weight: Tensor) -> Tensor:
+    """int8 or bf16 (N, K) -> (N/16, K/32, 16, 32): the tiles' B operand (VNNI order), 1 KB a tile laid out as (16
+    groups, 16 rows, e columns), e = 4 bytes of columns (int8: 4, bf16: 2), element (r, n, j) column e r + j of row
+    n: 64 columns of 16 rows a tile for int8, 32 for bf16."""
     N, K = weight.shape
-    q = weight.reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (blk, kb, p, n, j)
-    return q.reshape(N // 16, K // 32, 16, 32)
-
-
-def _int8_tiles(weight: Tensor) -> Tensor:
-    """int8 (N, K) -> (N/16, K/32, 16, 32): for each 16 rows and 64 columns, 1 KB laid out as (16 quads, 16 rows, 4
-    columns), byte (r, n, j) column 4r + j of row n: an int8 B tile (VNNI order)."""
-    N, K = weight.shape
-    q = weight.reshape(N // 16, 16, K // 64, 16, 4).permute(0, 2, 3, 1, 4)  # (blk, kp, r, n, j)
+    e = 4 // weight.element_size()
+    q = weight.reshape(N // 16, 16, K // (16 * e), 16, e).permute(0, 2, 3, 1, 4)  # (blk, tile, r, n, j)
     return q.reshape(N // 16, K // 32, 16, 32)
 
 
@@ -2680,10 +2667,9 @@ def unpack(packed: Tensor) -> Tensor:
         v = packed.reshape(B, KB, 1, 8, 16, 4)
         q = torch.cat([v & 15, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(16 * B, 64 * KB)  # (blk, n, kp, half, r, j)
         return q[:, 0::2] | (q[:, 1::2] << 4)
-    if R == 16 and packed.dtype == torch.bfloat16:  # _bf16_tiles
-        return packed.reshape(B, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(16 * B, 32 * KB)
-    if R == 16:  # _int8_tiles
-        return packed.reshape(B, KB // 2, 16, 16, 4).permute(0, 3, 1, 2, 4).reshape(16 * B, 32 * KB)
+    if R == 16:  # _vnni_tiles
+        e = 4 // packed.element_size()
+        return packed.reshape(B, 32 * KB // (16 * e), 16, 16, e).permute(0, 3, 1, 2, 4).reshape(16 * B, 32 * KB)
     return packed.transpose(1, 2).reshape(R * B, KB * C)
 
 
@@ -2694,7 +2680,7 @@ def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
         v = packed.view(B, KB, 8, 16, 4)[idx // 16, :, :, idx % 16, :].flatten(-2)  # (..., K/64, 32)
         q = torch.cat([v & 15, v >> 4], dim=-1).flatten(-2)  # (..., K) values in column order
         return q[..., 0::2] | (q[..., 1::2] << 4)
-    if R == 16:  # _int8_tiles, _bf16_tiles: by an op (see tile_rows in the C++)
+    if R == 16:  # _vnni_tiles: by an op (see tile_rows in the C++)
         return torch.ops.eagle_fast.tile_rows(packed, idx)
     return packed[idx // R, :, idx % R].flatten(-2)
 

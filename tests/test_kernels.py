@@ -118,7 +118,7 @@ def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
 
 def test_int8_tiles_layout_on_amx():
     """On AMX, pack() lays int8 weights out as the int8 tiles' B operand (16 rows x 64 columns in 1 KB, VNNI order;
-    block_rows, _int8_tiles), which unpack() and packed_rows() read back; N % 16 != 0 or K % 64 != 0 keep 4-row
+    block_rows, _vnni_tiles), which unpack() and packed_rows() read back; N % 16 != 0 or K % 64 != 0 keep 4-row
     blocks, which the vector path takes (x not rounded: the reference's float sums); tall blocks of another dtype
     are one clear error."""
     if kernels.isa() != "amx":
@@ -146,7 +146,7 @@ def test_int8_tiles_layout_on_amx():
 
 def test_bf16_tiles_layout_on_amx():
     """On AMX, pack() lays bf16 weights out as the bf16 tiles' B operand (16 rows x 32 columns in 1 KB, VNNI pairs;
-    _bf16_tiles), which unpack() and packed_rows() read back; the op's outputs are those of the 4-row blocks bit for
+    _vnni_tiles), which unpack() and packed_rows() read back; the op's outputs are those of the 4-row blocks bit for
     bit (the same pair products in the same order, the tiles' roles swapped) at every M, with a bias and a residual;
     N % 16 != 0 or K % 64 != 0 keep 4-row blocks."""
     if kernels.isa() != "amx":
