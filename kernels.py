@@ -2609,20 +2609,12 @@ def on_huge_pages(t: Tensor) -> bool:
         return False
 
 
-# bf16 weights in tall blocks (below). tp.shard_model turns it off for its process: under torchrun, compiled EAGLE
-# on bf16 with the tall LM head gave each process other draft features from the first cycle until their
-# collectives parted: the tied embedding's rows by tile_rows there (by indexing the ranks agreed; the cause inside
-# the compiled graph not found), docs/performance.md, "Forty-eighth session"
-BF16_TILES = True
-
-
 def block_rows(weight: Tensor) -> int:
-    """Rows of pack()'s blocks: 16 for bf16 (BF16_TILES), int8 and int4 weights where the AMX build runs (N % 16 ==
+    """Rows of pack()'s blocks: 16 for bf16, int8 and int4 weights where the AMX build runs (N % 16 ==
     0, K % 64 == 0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
-    kinds = (torch.bfloat16, torch.int8, torch.uint8) if BF16_TILES else (torch.int8, torch.uint8)
-    tall = (weight.dtype in kinds and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536 and K % 64 == 0)
+    tall = (weight.dtype in (torch.bfloat16, torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536 and K % 64 == 0)
     return 16 if tall and load() and isa() == "amx" else 4
 
 

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import kernels
 from model import Transformer
 from quantize import Int4Linear, Int8Linear
 
@@ -96,6 +95,34 @@ def _shard_linear(lin, rank, world, parallel: str, head_splits=None):
         lin.padded //= world
 
 
+def keep_reads_after_all_reduces():
+    """Work around an Inductor bug (torch 2.13) that ran a kernel on a partial sum before its all-reduce.
+
+    Inductor lowers each all-reduce in place (all_reduce_ on the partial sum's buffer) and makes the kernels that read
+    the result depend on that mutation by renaming their reads. SchedulerNode.recompute_size_and_body, which the C++
+    backend calls to give two kernels of equal size one loop shape before it fuses them, derives a kernel's reads
+    from its loop body again and puts the renames back only when the kernel also has hand-made dependencies. A
+    fused kernel then looked free of the all-reduce and the memory-saving reordering ran it first: under torchrun
+    bf16 EAGLE added one MLP's unreduced partial sum to the residual stream, so each process drafted from other
+    features until their collectives parted (docs/performance.md, "Forty-ninth session"). Here the renames are
+    always put back. Safe to call more than once."""
+    try:
+        from torch._inductor.scheduler import SchedulerNode
+        recompute = SchedulerNode.recompute_size_and_body
+    except (ImportError, AttributeError):  # another torch: nothing to patch
+        return
+    if getattr(recompute, "keeps_mutation_renames", False):
+        return
+
+    def recompute_keeping_renames(self, *args, **kwargs):
+        recompute(self, *args, **kwargs)
+        if getattr(self, "mutation_renames", None):
+            self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    recompute_keeping_renames.keeps_mutation_renames = True
+    SchedulerNode.recompute_size_and_body = recompute_keeping_renames
+
+
 def _all_reduce(module, inputs, output):
     # the partial sums of every process's share; functional collectives trace under torch.compile
     import torch.distributed._functional_collectives as funcol
@@ -109,7 +136,7 @@ def shard_model(model: Transformer, rank: int, world: int) -> Transformer:
         return model
     c = model.config
     check_shardable(c, world)
-    kernels.BF16_TILES = False  # bf16 in 4-row blocks in this process (kernels.py says why)
+    keep_reads_after_all_reduces()
     for block in model.layers:
         att, ff = block.attention, block.feed_forward
         splits = [att.n_head * att.head_dim, att.n_local_heads * att.head_dim, att.n_local_heads * att.head_dim]

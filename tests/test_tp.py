@@ -1,4 +1,4 @@
-"""Tensor parallelism (tp.py): two CPU processes over gloo give exactly one process's tokens (fp32)."""
+"""Tensor parallelism (tp.py): 2 gloo CPU processes give exactly 1 process's tokens (fp32); the Inductor fix."""
 import json
 import os
 import shutil
@@ -72,12 +72,59 @@ def test_shards_are_this_process_share_and_refused_when_uneven(checkpoint):
         tp.check_shardable(c, 3)
 
 
-def test_a_sharded_process_keeps_bf16_in_four_row_blocks(checkpoint, monkeypatch):
-    """tp.shard_model turns kernels.BF16_TILES off for its process: compiled bf16 EAGLE under torchrun with the
-    tall LM head gave each process other draft features (kernels.py, docs/performance.md "Forty-eighth session")."""
-    import kernels
-    monkeypatch.setattr(kernels, "BF16_TILES", True)  # restored after the test
-    model = load_model(checkpoint, pack=False)
-    tp.shard_model(model, 0, 2)
-    assert kernels.BF16_TILES is False
-    assert kernels.block_rows(torch.zeros(64, 128, dtype=torch.bfloat16)) == 4
+@pytest.mark.compile
+def test_kernels_read_an_all_reduced_sum_after_its_all_reduce(monkeypatch):
+    """tp.keep_reads_after_all_reduces: Inductor re-shapes a kernel's loops to fuse it with one of another shape and,
+    in torch 2.13, dropped its reads' link to the in-place all-reduce before it; the kernel could then run on the
+    partial sum (compiled bf16 EAGLE under torchrun did). A graph like a sharded model's (a residual stream of
+    all-reduced outputs, two of its states concatenated as EAGLE-3 features; one process over gloo): every kernel
+    re-shaped there still reads the all-reduced buffers (without the fix some read the partial sums' names)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.scheduler import SchedulerNode
+
+    monkeypatch.setattr(SchedulerNode, "recompute_size_and_body", SchedulerNode.recompute_size_and_body)  # restored
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # compile here, not from a cache
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)  # as generate.py compiles
+    tp.keep_reads_after_all_reduces()
+    tp.keep_reads_after_all_reduces()  # twice: patched once
+    fixed = SchedulerNode.recompute_size_and_body
+    renamed, stale = [], []
+
+    def watched(self, *args, **kwargs):
+        fixed(self, *args, **kwargs)
+        reads = {dep.name for dep in self.read_writes.reads}
+        renamed.append(bool(self.mutation_renames))
+        stale.extend(name for name in self.mutation_renames if name in reads)
+
+    monkeypatch.setattr(SchedulerNode, "recompute_size_and_body", watched)
+    T, D = 9, 576
+    weights = [torch.randn(D, D, dtype=torch.bfloat16) / 24 for _ in range(4)]
+
+    def norm(x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    def forward(h):
+        features = []
+        for i, w in enumerate(weights):
+            h = h + funcol.all_reduce(torch.mm(norm(h).view(T, D), w).view(1, T, D), "sum", dist.group.WORLD)
+            if i in (1, 3):
+                features.append(h)
+        return norm(h), torch.cat(features, -1)
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch._dynamo.reset()
+        x = torch.randn(1, T, D, dtype=torch.bfloat16)
+        with torch.no_grad():
+            got, want = torch.compile(forward, fullgraph=True)(x), forward(x)
+    finally:
+        torch._dynamo.reset()
+        if started:
+            dist.destroy_process_group()
+    assert any(renamed), "no kernel that reads an all-reduced sum was re-shaped: the test no longer reaches the bug"
+    assert stale == []
+    assert torch.equal(got[1], want[1])
