@@ -2405,9 +2405,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-// Rows idx of int8 or bf16 weights in tall blocks (_vnni_tiles), (*idx.shape, K): the tied
-// embedding's lookup. Both lay a block out in 64-byte lines of 16 rows x 4 bytes (int8: 4 columns, bf16: 2), a row's
-// 4 bytes at 4 (row % 16) of each line. An op of its own: Inductor's code for the same gather as tensor indexing
+// Rows idx of int8 or bf16 weights in tall blocks (_vnni_tiles), (*idx.shape, K): the tied embedding's lookup. Both
+// lay a block out in 64-byte lines of 16 rows x 4 bytes (int8: 4 columns, bf16: 2), a row's 4 bytes at 4 (row % 16)
+// of each line. An op of its own: Inductor's code for the same gather as tensor indexing
 // (packed_rows) read some wrong rows inside EAGLE's compiled cycle (greedy EAGLE parted from plain decoding on 3 of
 // 20 prompts), where it was right on its own
 at::Tensor tile_rows(const at::Tensor& w, const at::Tensor& idx) {
@@ -2610,11 +2610,12 @@ def on_huge_pages(t: Tensor) -> bool:
 
 
 def block_rows(weight: Tensor) -> int:
-    """Rows of pack()'s blocks: 16 for bf16, int8 and int4 weights where the AMX build runs (N % 16 ==
-    0, K % 64 == 0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles); else 4."""
+    """Rows of pack()'s blocks: 16 for bf16, int8 and int4 weights where the AMX build runs (N % 16 == 0, K % 64 ==
+    0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
-    tall = (weight.dtype in (torch.bfloat16, torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0 and K <= 65536 and K % 64 == 0)
+    tall = (weight.dtype in (torch.bfloat16, torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0
+            and K <= 65536 and K % 64 == 0)
     return 16 if tall and load() and isa() == "amx" else 4
 
 
