@@ -521,7 +521,7 @@ def build_parser():
                    help="float32, bfloat16, float16, or auto: the fastest exact one here (bfloat16 on CUDA and on CPUs "
                         "the small-M kernels run; float32 without them)")
     p.add_argument("--quant", default="auto",
-                   help="a quantized variant written by quantize.py: int8, int4.g32 (g64, g128, g256), with .head8 "
+                   help="a quantized variant written by quantize.py: int8, int4.g32 (g64, g128, g256), int4i, with .head8 "
                         "when the LM head is int8 too; none: the float weights; auto (with --dtype auto): int8.head8 "
                         "on CPUs whose kernels.py build is AVX2 only or has AMX tiles, written beside the checkpoint on "
                         "first use, the float weights elsewhere")
@@ -714,7 +714,7 @@ def default_tree(device, weights) -> dict:
     """The draft tree sizes that decode fastest for these weights ("bfloat16", "int4.g32", ...) here (TREE's note)."""
     if torch.device(device).type == "cuda" or (weights == "bfloat16" and kernels.isa() == "amx"):
         return WIDE_TREE
-    if weights.startswith("int4") and kernels.isa() == "amx":
+    if weights.startswith("int4.") and kernels.isa() == "amx":
         return INT4_AMX_TREE
     return TREE
 

@@ -154,6 +154,7 @@ struct Lin {
   const void* res = nullptr;  // (M, N) in out's dtype, added to the outputs (or null)
   int64_t n_base = 0;      // the first row of the weights at w (a dequantized block's buffer starts at its block)
   int64_t ahead_lines = 0; // cache lines of the weight stream one 32-column step reads, prefetched ahead (0: none)
+  bool int4i = false;      // int4i in tall blocks (pack_int4i): int8 weights q * nibble + z, stored as nibbles
   const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
     n -= n_base;
     if (offsets) {  // int4: blocks of 64 columns, 16 bytes for each 32
@@ -1098,8 +1099,63 @@ inline void configure_tiles_i8_tall(int rows) {  // rows: the A tiles', 2c + 1
 // whole of K, one TDPBSSD per 64 columns and panel, one store per block and panel at the end; x . w = 256 hi . w +
 // lo' . w + 128 w . 1 in double (exact), rounded to fp32 once: the exact integer dot product, as before. With the
 // weights as A (16 rows a product whatever M, two products per 32 columns) the products were the bound.
+// int4i weights (pack_int4i) in tall blocks: int8 weights whose 32-column groups each hold 16 evenly spaced values,
+// w = q * nibble + z (q 1..17, z and w within int8), times one scale a row. A block's 64 columns are 576 bytes: the
+// nibbles as int4's tiles (512 bytes: the first 32 columns in the low nibbles, the next 32 in the high ones), then
+// each group's 16 q's and 16 z's. Each step's B tile (1 KB of int8, the VNNI order) is made in L1 a step before its
+// tile load reads it, then multiplied as int8 weights are: the same integers as the int8 weights q * nibble + z
+// packed as int8 (tests/test_kernels.py), a sum over the whole of K in the tiles, no per-group scaling. The 4 bytes
+// of a 32-bit lane are one weight row's, so one 16-bit multiply by q scales both of a lane half's nibbles (q *
+// nibble <= 255 stays in its byte).
+inline void int4i_b_tile(const char* p, uint8_t* dst) {
+  const __m128i* qz = (const __m128i*)(p + 512);
+  __m512i step[2], base[2];
+  for (int h = 0; h < 2; h++) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(qz + 2 * h));
+    const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(qz + 2 * h + 1));
+    step[h] = _mm512_or_si512(q, _mm512_slli_epi32(q, 16));
+    const __m512i z2 = _mm512_or_si512(z, _mm512_slli_epi32(z, 8));
+    base[h] = _mm512_or_si512(z2, _mm512_slli_epi32(z2, 16));
+  }
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int l = 0; l < 8; l++) {
+    const __m512i v = _mm512_loadu_si512(p + 64 * l);
+    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    _mm512_store_si512(dst + 64 * l, _mm512_add_epi8(_mm512_mullo_epi16(lo, step[0]), base[0]));
+    _mm512_store_si512(dst + 64 * (8 + l), _mm512_add_epi8(_mm512_mullo_epi16(hi, step[1]), base[1]));
+  }
+}
+
+template <int P>
+inline void amx_i4i_products(const Lin& a, const int8_t* xb, int c, int64_t n0) {
+  const int64_t KP = a.K / 64, prow = (2 * c + 1) * a.K;
+  const char* w = a.w + (n0 / 16) * KP * 576;
+  alignas(64) uint8_t bt[2][1024];  // this step's B tile and the next one's
+  _tile_zero(4);
+  if (P > 1) _tile_zero(5);
+  if (P > 2) _tile_zero(6);
+  int4i_b_tile(w, bt[0]);
+  for (int64_t kp = 0; kp < KP; kp++) {
+    if (kp + 1 < KP) int4i_b_tile(w + (kp + 1) * 576, bt[(kp + 1) & 1]);
+    if (a.ahead_lines)
+      for (int l = 0; l < 9; l++) _mm_prefetch(w + kp * 576 + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
+    _tile_loadd(0, bt[kp & 1], 64);
+    _tile_loadd(1, xb + 64 * kp, a.K);
+    _tile_dpbssd(4, 1, 0);
+    if (P > 1) {
+      _tile_loadd(2, xb + prow + 64 * kp, a.K);
+      _tile_dpbssd(5, 2, 0);
+    }
+    if (P > 2) {
+      _tile_loadd(3, xb + 2 * prow + 64 * kp, a.K);
+      _tile_dpbssd(6, 3, 0);
+    }
+  }
+}
+
 template <int P>
 inline void amx_i8_tall_products(const Lin& a, const int8_t* xb, int c, int64_t n0) {
+  if (a.int4i) return amx_i4i_products<P>(a, xb, c, n0);
   const int64_t KP = a.K / 64, prow = (2 * c + 1) * a.K;
   const char* w = a.w + (n0 / 16) * KP * 1024;
   _tile_zero(4);
@@ -1568,8 +1624,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && (w.size(2) == 4 || w.size(2) == 16), "eagle_fast::linear: x (M, K) and a packed weight");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: x must be fp32 or bf16");
   TORCH_CHECK(w.is_contiguous(), "eagle_fast::linear: the packed weight must be contiguous");
+  // int4i in tall blocks (pack_int4i): uint8, 64 columns of 16 rows in 576 bytes (16 x 36); run as int8 weights
+  const bool int4i = w.scalar_type() == at::kByte && w.size(2) == 16 && w.size(3) == 36;
   int wt;
-  switch (w.scalar_type()) {
+  switch (int4i ? at::kChar : w.scalar_type()) {
     case at::kFloat: wt = W_F32; break;
     case at::kBFloat16: wt = W_BF16; break;
     case at::kChar: wt = W_I8; break;
@@ -1577,7 +1635,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     default: TORCH_CHECK(false, "eagle_fast::linear: unsupported weight dtype");
   }
   const int64_t M = x.size(0), K = x.size(1), N = w.size(2) * w.size(0);
-  TORCH_CHECK(K == (wt == W_I4 ? 64 : 32) * w.size(1) && w.size(3) == 32, "eagle_fast::linear: weight does not match x");
+  TORCH_CHECK(K == (wt == W_I4 || int4i ? 64 : 32) * w.size(1) && w.size(3) == (int4i ? 36 : 32),
+              "eagle_fast::linear: weight does not match x");
   TORCH_CHECK((wt == W_I8 || wt == W_I4) == scales.has_value() && (wt == W_I4) == offsets.has_value(),
               "eagle_fast::linear: int8 weights need scales, int4 weights scales and offsets");
   TORCH_CHECK(wt != W_F32 || x.scalar_type() == at::kFloat, "eagle_fast::linear: fp32 weights need fp32 x");
@@ -1588,6 +1647,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
               "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
+  a.int4i = int4i;
   at::Tensor sc, of, bs;
   if (scales) {
     TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32");
@@ -2639,6 +2699,27 @@ def _vnni_tiles(weight: Tensor) -> Tensor:
     return q.reshape(N // 16, K // 32, 16, 32)
 
 
+def int4i_takes(weight: Tensor) -> bool:
+    """Whether pack_int4i takes these int4i nibbles (N, K/2): the int8 tiles of an AMX CPU, N % 16 == 0, K % 64 ==
+    0. Elsewhere int4i weights run as the int8 weights they stand for (quantize.Int4iLinear)."""
+    N, K = weight.shape[0], 2 * weight.shape[1]
+    return (weight.dim() == 2 and weight.dtype == torch.uint8 and weight.device.type == "cpu" and N % 16 == 0
+            and K % 64 == 0 and K <= 65536 and load() and isa() == "amx")
+
+
+def pack_int4i(nibbles: Tensor, steps: Tensor, bases: Tensor) -> Tensor:
+    """int4i (quantize.quantize_int4i: int8 weights q * nibble + z, 32-column groups) -> (N/16, K/64, 16, 36) uint8:
+    for each 16 rows and 64 columns, the nibbles as _int4_tiles lays them out (512 bytes), then the two groups'
+    q's and z's, 16 bytes each (group, q or z, row): 576 bytes, read as the int8 tiles' B operand (run_amx_i8_tall)."""
+    N, K = nibbles.shape[0], 2 * nibbles.shape[1]
+    tiles = _int4_tiles(nibbles.detach()).reshape(N // 16, K // 64, 512)
+    per_group = [t.detach().view(torch.uint8).reshape(N // 16, 16, K // 64, 2).permute(0, 2, 3, 1) for t in (steps, bases)]
+    qz = torch.stack(per_group, dim=3).reshape(N // 16, K // 64, 64)  # (blk, kp, group, q or z, row)
+    packed = torch.empty(N // 16, K // 64, 16, 36, dtype=torch.uint8)
+    on_huge_pages(packed)
+    return packed.copy_(torch.cat([tiles, qz], dim=-1).view(N // 16, K // 64, 16, 36))
+
+
 def tile_groups(t: Tensor, packed: Tensor) -> Tensor:
     """int4 scales or offsets (N, G) in the layout the tall blocks read, (N / 16, G, 16): a block's 16 values for a
     group side by side, one vector load (gathered from 16 rows, they cost 11% of the int4 linears at one row); as
@@ -2654,8 +2735,15 @@ def plain_groups(t: Tensor) -> Tensor:
 
 
 def unpack(packed: Tensor) -> Tensor:
-    """The inverse of pack()."""
+    """The inverse of pack(); of pack_int4i, the int8 weights (N, K) its nibbles stand for."""
     B, KB, R, C = packed.shape
+    if C == 36:  # pack_int4i
+        raw = packed.reshape(B, KB, 576)
+        nib = unpack(raw[..., :512].reshape(B, KB, 16, 32).contiguous())  # (N, K/2), column 2j in the low nibble
+        nib = torch.stack([nib & 15, nib >> 4], dim=-1).reshape(16 * B, KB * 2, 32).to(torch.int16)
+        qz = raw[..., 512:].reshape(B, KB, 2, 2, 16).permute(0, 4, 1, 2, 3).reshape(16 * B, 2 * KB, 2)
+        q, z = qz[..., 0].to(torch.int16), qz[..., 1].view(torch.int8).to(torch.int16)
+        return (nib * q[..., None] + z[..., None]).reshape(16 * B, 64 * KB).to(torch.int8)
     if packed.dtype == torch.uint8 and R == 16:  # _int4_tiles
         v = packed.reshape(B, KB, 1, 8, 16, 4)
         q = torch.cat([v & 15, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(16 * B, 64 * KB)  # (blk, n, kp, half, r, j)

@@ -11,6 +11,7 @@ A variant's name says what it holds; its file and an entry in config.json ("quan
 
     int8             model_int8.safetensors            Linear layers of the blocks (wqkv, wo, w1, w2, w3) in int8
     int4.g32         model_int4.g32.safetensors        the same layers in int4, groups of 32 (or 64, 128, 256)
+    int4i            model_int4i.safetensors           the same layers in int4i: int4 groups of 32 on an int8 grid
     int8.head8       model_int8.head8.safetensors      ... and the LM head (and a tied embedding) in int8
     int4.g32.head8   model_int4.g32.head8.safetensors
     heads:           head_int8.safetensors, head_int4.g32.safetensors, listed in head_config.json
@@ -20,8 +21,11 @@ File format (portable: packing for a kernel happens at load time, so a file does
     int4  NAME.weight uint8 [N, K/2], column 2j in the low nibble, 2j+1 in the high one, q in 0..15;
           NAME.scales, NAME.zeros float32 [N, K/groupsize]:              w = (q - 8) * scale + zero (per group)
           With --pad, a K the group size does not divide is stored zero-padded up to a multiple of it.
-The loader swaps in the quantized modules that the tensors call for (a .zeros tensor means int4, a .scales
-tensor alone int8), so nothing but the file decides how it is run.
+    int4i NAME.weight uint8 [N, K/2] nibbles q as int4's; NAME.scales float32 [N]; NAME.steps uint8 and NAME.bases
+          int8 [N, K/32]:                                                w = (q * step + base) * scale, where
+          q * step + base is within int8: int8 weights, stored in 4.5 bits each (quantize_int4i)
+The loader swaps in the quantized modules that the tensors call for (a .zeros tensor means int4, .steps int4i, a
+.scales tensor alone int8), so nothing but the file decides how it is run.
 """
 import argparse
 import json
@@ -39,7 +43,8 @@ import kernels
 from model import (CheckpointError, ModelArgs, Transformer, default_checkpoint, load_checkpoint, load_safetensors,
                    load_state_dict_strict, read_config)
 
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "int4i")
+INT4I_GROUP = 32  # int4i's group size (columns)
 GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
 
 
@@ -74,6 +79,48 @@ def quantize_int4(w, groupsize: int):
     scales = (hi - lo).clamp(min=1e-8) / 15
     q = (g - lo[..., None]).div_(scales[..., None]).round_().clamp_(0, 15).to(torch.uint8)
     return q.reshape(N, K), scales, lo + 8 * scales
+
+
+def quantize_int4i(w):
+    """int4 on an int8 grid ("int4i"): per output channel an int8 scale s = max |w| / 127, and each group of 32 input
+    columns takes 16 evenly spaced int8 values q * (0..15) + z (q in 1..17, z and every value within int8), the
+    q and z of least squared error among a few around its range (which may clip a group's extremes). So w ~ s *
+    (q * nibble + z): int8 weights that store in 4.5 bits each (a nibble, and 2 bytes a group), which the CPU's
+    int8 tiles sum over the whole row with no per-group scaling (kernels.pack_int4i). On Gaussian weights the RMS
+    error is ~7% below int4 g32's (tests/test_quantize.py); on a checkpoint made from Q4_1 blocks (the default
+    model) int4.g32 is exact and this is not. Returns (nibbles packed (N, K/2), scales (N,), steps q uint8
+    (N, K/32), bases z int8 (N, K/32))."""
+    N, K = w.shape
+    if K % INT4I_GROUP:
+        raise QuantizeError(f"int4i groups {INT4I_GROUP} columns, which do not divide the input dim {K}")
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    u = (w / scales[:, None]).reshape(N, K // INT4I_GROUP, INT4I_GROUP)  # within +-127
+    lo, hi = u.amin(-1), u.amax(-1)
+    q_fit = ((hi - lo) / 15).ceil().clamp(min=1)
+    best = None
+    for q in ((q_fit + d).clamp(1, 17) for d in (-1, 0, 1)):
+        centred = ((lo + hi) / 2 - 7.5 * q).round()
+        for dz in (-2, -1, 0, 1, 2):
+            z = torch.minimum((centred + dz).clamp(min=-128), 127 - 15 * q)  # all 16 values within int8
+            nib = ((u - z[..., None]) / q[..., None]).round_().clamp_(0, 15)
+            err = (nib * q[..., None] + z[..., None] - u).square_().sum(-1)
+            if best is None:
+                best = [err, q, z, nib]
+                continue
+            better = err < best[0]
+            best = [torch.where(better, err, best[0]), torch.where(better, q, best[1]), torch.where(better, z, best[2]),
+                    torch.where(better[..., None], nib, best[3])]
+    _, q, z, nib = best
+    return pack_nibbles(nib.reshape(N, K)), scales, q.to(torch.uint8), z.to(torch.int8)
+
+
+def int4i_values(nibbles, steps, bases):
+    """The int8 weights (N, K) that int4i nibbles (N, K/2), steps and bases (N, K/32) stand for: q * nibble + z."""
+    q = unpack_nibbles(nibbles).to(torch.int16)
+    N, G = steps.shape
+    w = q.view(N, G, -1) * steps.to(torch.int16)[..., None] + bases.to(torch.int16)[..., None]
+    return w.reshape(N, -1).to(torch.int8)
 
 
 def dequantize_int4(q, scales, zeros):
@@ -113,6 +160,40 @@ class Int8Linear(nn.Module):
         y = F.linear(x, self.weight.to(x.dtype)) * self.scales
         y = y if self.bias is None else y + self.bias
         return y if residual is None else residual + y
+
+
+class Int4iLinear(Int8Linear):
+    """int4i weights (quantize_int4i): the file form holds the nibbles, the scales (N,) and each group's step and
+    base; prepare() packs them for the int8 tiles where the CPU has them (kernels.pack_int4i, 4.5 bits a weight),
+    else makes them the int8 weights they stand for, which then run as an Int8Linear's do (the same integers)."""
+
+    def __init__(self, in_features, out_features, bias=False, device=None):
+        super().__init__(in_features, out_features, bias, device)
+        G = in_features // INT4I_GROUP
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("steps", torch.ones(out_features, G, dtype=torch.uint8, device=device))
+        self.register_buffer("bases", torch.zeros(out_features, G, dtype=torch.int8, device=device))
+
+    def values(self):
+        return int4i_values(self.weight, self.steps, self.bases)
+
+    def forward(self, x, residual=None):
+        if self.weight.dtype == torch.uint8 and self.weight.dim() == 2:  # the file form, before prepare()
+            y = F.linear(x, self.values().to(x.dtype)) * self.scales.to(x.dtype)
+            y = y if self.bias is None else y + self.bias
+            return y if residual is None else residual + y
+        return super().forward(x, residual)
+
+    def prepare(self, pack=True):
+        """Packed for the int8 tiles (pack and the CPU takes it: True), else the int8 weights (False)."""
+        if pack and kernels.int4i_takes(self.weight):
+            self.weight = kernels.pack_int4i(self.weight, self.steps, self.bases)
+            self.scales = self.scales.float().contiguous()
+            tiles = True
+        else:
+            self.weight, tiles = self.values(), False
+        del self.steps, self.bases
+        return tiles
 
 
 class Int8Embedding(nn.Module):
@@ -284,17 +365,24 @@ def quantize_model(model, mode, groupsize=None, quantize_head=False, pad=False):
     quantize_head: the LM head in int8 too; with tied embeddings the embedding becomes the same int8 table.
     pad: zero-pad input dims the int4 group size does not divide (else that is refused)."""
     if mode not in MODES:
-        raise QuantizeError(f"unknown mode {mode!r}; choose int8 or int4")
+        raise QuantizeError(f"unknown mode {mode!r}; choose int8, int4 or int4i")
     if any(m.weight.dim() != 2 for _, m in linear_layers(model)) or model_packed(model):
         raise QuantizeError("these weights are packed for the CPU kernels: quantize the plain layout "
                             "(load_model(..., pack=False))")
     if mode == "int4" and not pad:
         check_groupsize(model, groupsize)
+    if mode == "int4i":
+        bad = sorted({m.in_features for _, m in linear_layers(model) if m.in_features % INT4I_GROUP})
+        if bad:
+            raise QuantizeError(f"int4i groups {INT4I_GROUP} input columns, which do not divide the input dims {bad}")
     for name, lin in linear_layers(model):
         w, device, has_bias = lin.weight.detach(), lin.weight.device, lin.bias is not None
         if mode == "int8":
             new = Int8Linear(lin.in_features, lin.out_features, has_bias, device)
             new.weight, new.scales = quantize_int8(w)
+        elif mode == "int4i":
+            new = Int4iLinear(lin.in_features, lin.out_features, has_bias, device)
+            new.weight, new.scales, new.steps, new.bases = quantize_int4i(w)
         else:
             new = Int4Linear(lin.in_features, lin.out_features, groupsize, has_bias, device)
             q, new.scales, new.zeros = quantize_int4(F.pad(w, (0, new.padded - lin.in_features)), groupsize)
@@ -330,6 +418,11 @@ def swap_modules(model, weights):
             if G < 1 or padded % G or groupsize not in GROUPSIZES or not 0 <= padded - m.in_features < groupsize:
                 raise QuantizeError(f"{name}: {G} groups over {padded} columns do not fit input dim {m.in_features}")
             new = Int4Linear(m.in_features, m.out_features, groupsize, m.bias is not None, device)
+        elif isinstance(m, nn.Linear) and f"{name}.steps" in weights:
+            if m.in_features % INT4I_GROUP:
+                raise QuantizeError(f"{name}: int4i weights need an input dim divisible by {INT4I_GROUP}, "
+                                    f"not {m.in_features}")
+            new = Int4iLinear(m.in_features, m.out_features, m.bias is not None, device)
         elif isinstance(m, nn.Linear):
             new = Int8Linear(m.in_features, m.out_features, m.bias is not None, device)
         elif isinstance(m, nn.Embedding):
@@ -346,6 +439,11 @@ def prepare(model, dtype, use_kernel=True, pack=True):
     fell back to dequantizing} (empty when every int4 layer packed)."""
     packed, cast, fallbacks = {}, {}, {}
     for name, m in model.named_modules():
+        if isinstance(m, Int4iLinear) and m.weight.dtype == torch.uint8 and m.weight.dim() == 2:
+            if m.prepare(pack and use_kernel):  # packed for the int8 tiles; else int8 weights, prepared below
+                if m.bias is not None:
+                    m.bias = m.bias.to(dtype)
+                continue
         if isinstance(m, Int8Linear):
             if pack and use_kernel and m.weight.dim() == 2 and kernels.can_pack(m.weight):
                 packed[id(m.weight)] = m  # the kernel takes fp32 scales
@@ -392,12 +490,14 @@ def quant_name(mode, groupsize=None, quantize_head=False):
 
 
 def parse_name(name):
-    """'int4.g32.head8' -> ('int4', 32, True); a one-line QuantizeError for anything else."""
-    m = re.fullmatch(r"(int8|int4\.g(\d+))(\.head8)?", name)
+    """'int4.g32.head8' -> ('int4', 32, True), 'int4i' -> ('int4i', None, False); a one-line QuantizeError for
+    anything else."""
+    m = re.fullmatch(r"(int8|int4i|int4\.g(\d+))(\.head8)?", name)
     if not m or (m.group(2) and int(m.group(2)) not in GROUPSIZES):
-        raise QuantizeError(f"unknown quantization {name!r}: expected int8 or int4.g32 (g64, g128, g256), "
+        raise QuantizeError(f"unknown quantization {name!r}: expected int8, int4i or int4.g32 (g64, g128, g256), "
                             f"optionally followed by .head8")
-    return m.group(1)[:4], int(m.group(2)) if m.group(2) else None, bool(m.group(3))
+    mode = "int4" if m.group(2) else m.group(1)
+    return mode, int(m.group(2)) if m.group(2) else None, bool(m.group(3))
 
 
 def quantized_file(checkpoint_dir, config, name) -> Path:
@@ -443,7 +543,8 @@ def load_quantized(checkpoint_dir, name, device="cpu", dtype=torch.bfloat16, pac
     mode, groupsize, _ = parse_name(name)
     held = {(type(m).__name__, getattr(m, "groupsize", None)) for n, m in model.named_modules()
             if isinstance(m, (Int8Linear, Int4Linear)) and n != "output"}
-    if held != ({("Int8Linear", None)} if mode == "int8" else {("Int4Linear", groupsize)}):
+    expected = {"int8": ("Int8Linear", None), "int4i": ("Int4iLinear", None)}.get(mode, ("Int4Linear", groupsize))
+    if held != {expected}:
         raise CheckpointError(f"{path} does not hold {name} weights (it holds {sorted(held, key=str) or 'float'})")
     load_state_dict_strict(model, weights, f"quantized checkpoint {path}")
     if model.config.tie_embeddings:  # one tensor, not two copies
@@ -516,6 +617,8 @@ def quantize_head_weights(weights, mode, groupsize=None, pad=False) -> dict:
         w = weights[f"{n}.weight"].float()
         if mode == "int8":
             state[f"{n}.weight"], state[f"{n}.scales"] = quantize_int8(w)
+        elif mode == "int4i":
+            state[f"{n}.weight"], state[f"{n}.scales"], state[f"{n}.steps"], state[f"{n}.bases"] = quantize_int4i(w)
         else:
             padded = -(-w.shape[1] // groupsize) * groupsize
             q, state[f"{n}.scales"], state[f"{n}.zeros"] = quantize_int4(F.pad(w, (0, padded - w.shape[1])), groupsize)
@@ -550,7 +653,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory (default: the default model)")
     p.add_argument("--draft", type=Path, default=None, help="quantize this EAGLE head directory instead")
-    p.add_argument("--mode", default="int8", help="int8 (per output channel) or int4 (grouped, affine)")
+    p.add_argument("--mode", default="int8", help="int8 (per output channel), int4 (grouped, affine) or int4i (int4 "
+                   "groups of 32 on a per-channel int8 grid: int8 arithmetic at 4.5 bits a weight)")
     p.add_argument("--groupsize", type=int, default=None, help="int4 group size: 32 (default), 64, 128 or 256")
     p.add_argument("--quantize_head", action="store_true",
                    help="also quantize the LM head (and a tied embedding) to int8; default: keep it float")
@@ -563,9 +667,10 @@ def main(argv=None):
         sys.exit(2)
 
     if args.mode not in MODES:
-        die(f"unknown --mode {args.mode!r}; choose int8 or int4")
-    if args.mode == "int8" and args.groupsize is not None:
-        die("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
+        die(f"unknown --mode {args.mode!r}; choose int8, int4 or int4i")
+    if args.mode != "int4" and args.groupsize is not None:
+        die(f"--groupsize applies to --mode int4 only ({args.mode} has one scale per output channel"
+            + (f", groups of {INT4I_GROUP})" if args.mode == "int4i" else ")"))
     groupsize = (args.groupsize or 32) if args.mode == "int4" else None
     if groupsize is not None and groupsize not in GROUPSIZES:
         die(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))} (what torch's int4 kernels take), "

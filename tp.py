@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model import Transformer
-from quantize import Int4Linear, Int8Linear
+from quantize import INT4I_GROUP, Int4iLinear, Int4Linear, Int8Linear
 
 
 def init_distributed(device: str):
@@ -65,7 +65,7 @@ def _cols(t, rank, world):  # a row-parallel layer keeps its share of the input 
 
 
 def _shard_linear(lin, rank, world, parallel: str, head_splits=None):
-    """Cut a Linear / Int8Linear / Int4Linear (file form: before prepare) to this process's share, in place.
+    """Cut a Linear / Int8Linear / Int4Linear / Int4iLinear (file form: before prepare) to this process's share, in place.
     head_splits: for wqkv, the sizes of q, k and v, each cut by heads rather than the whole weight in N pieces."""
     def cut(t):
         if t is None:
@@ -81,6 +81,12 @@ def _shard_linear(lin, rank, world, parallel: str, head_splits=None):
             raise ValueError(f"int4 group size {lin.groupsize} does not split {lin.in_features} input features over "
                              f"{world} processes")
         lin.weight, lin.scales, lin.zeros = cut(lin.weight), cut(lin.scales), cut(lin.zeros)
+    elif isinstance(lin, Int4iLinear):
+        if parallel == "cols" and lin.steps.shape[1] % world:
+            raise ValueError(f"int4i groups of {INT4I_GROUP} do not split {lin.in_features} input features over "
+                             f"{world} processes")
+        lin.weight, lin.steps, lin.bases = cut(lin.weight), cut(lin.steps), cut(lin.bases)
+        lin.scales = cut(lin.scales) if parallel == "rows" else lin.scales
     elif isinstance(lin, Int8Linear):
         lin.weight = cut(lin.weight)
         lin.scales = cut(lin.scales) if parallel == "rows" else lin.scales

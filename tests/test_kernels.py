@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import quantize as Q
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="the C++ kernels are not available here")
 
@@ -480,3 +481,32 @@ def test_c_shims_are_this_extensions_and_no_one_elses():
         assert name == "aoti_torch_cpu_" + op.name().split("::")[1]
         assert hasattr(glob, name)
         assert not any(hasattr(t, name) for t in libtorch), name
+
+
+def test_int4i_on_amx_runs_the_int8_weights_it_stands_for():
+    """int4i (quantize.quantize_int4i) packed for the int8 tiles (pack_int4i: the nibbles as int4's tiles, then each
+    group's step and base) gives, bit for bit, what the int8 weights q * nibble + z give packed as int8, for every
+    M (one panel, two, three, several passes), at the extreme steps and bases; unpack() reads those int8 weights
+    back and linear_reference agrees."""
+    if kernels.isa() != "amx":
+        pytest.skip("int4i's tile layout is the AMX build's")
+    g = torch.Generator().manual_seed(7)
+    N, K = 64, 576  # 9 steps of 64 columns, 18 groups
+    nibbles = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    steps = torch.randint(1, 18, (N, K // 32), generator=g, dtype=torch.uint8)
+    room = 255 - 15 * steps.int()  # bases that keep the 16 values q * nibble + z within int8
+    bases = (-128 + (torch.rand(N, K // 32, generator=g) * (room + 1)).floor().int()).to(torch.int8)
+    steps[0, 0], bases[0, 0], steps[1, 1], bases[1, 1] = 17, -128, 17, 127 - 15 * 17  # both ends of int8
+    values = Q.int4i_values(nibbles, steps, bases)
+    assert values.min() == -128 and values.max() == 127
+    packed, scales = kernels.pack_int4i(nibbles, steps, bases), torch.rand(N, generator=g) / 127
+    assert packed.shape == (N // 16, K // 64, 16, 36) and torch.equal(kernels.unpack(packed), values)
+    as_int8 = kernels.pack(values)
+    x = torch.randn(70, K, generator=g).bfloat16()
+    for M in (1, 2, 5, 7, 8, 16, 17, 21, 22, 70):
+        y = kernels.linear(x[:M], packed, None, scales)
+        assert torch.equal(y, kernels.linear(x[:M], as_int8, None, scales)), M
+        torch.testing.assert_close(y, kernels.linear_reference(x[:M], packed, None, scales), rtol=0.02, atol=0.02)
+    assert torch.equal(kernels.linear(x[5:6], packed, None, scales), y[5:6])  # a row alone is that row
+    with pytest.raises(RuntimeError, match="weight does not match x"):
+        kernels.linear(x[:1, :512].contiguous(), packed, None, scales)

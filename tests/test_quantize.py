@@ -66,6 +66,24 @@ def test_int4_error_is_at_most_half_a_scale_per_group(groupsize):
     assert (err <= scales / 2 * (1 + 1e-4) + 1e-6).all()
 
 
+def test_int4i_values_are_int8_with_16_evenly_spaced_a_group():
+    """int4i: each group of 32 columns holds values q * (0..15) + z within int8, q in 1..17; the per-channel scale
+    is max |w| / 127; on Gaussian weights (offset rows too) the RMS error stays below int4 g32's."""
+    torch.manual_seed(1)
+    for w in (torch.randn(64, 512), torch.randn(64, 512) + torch.randn(64, 1) * 3):
+        nibbles, scales, steps, bases = Q.quantize_int4i(w)
+        assert nibbles.shape == (64, 256) and scales.shape == (64,) and steps.shape == bases.shape == (64, 16)
+        assert steps.dtype == torch.uint8 and bases.dtype == torch.int8 and 1 <= steps.min() and steps.max() <= 17
+        assert (bases.int() + 15 * steps.int()).max() <= 127  # the group's largest value fits int8
+        values = Q.int4i_values(nibbles, steps, bases)
+        assert values.dtype == torch.int8 and torch.allclose(scales, w.abs().amax(1) / 127)
+        err = (values.float() * scales[:, None] - w).pow(2).mean().sqrt()
+        q, s4, z = Q.quantize_int4(w, 32)
+        assert err < (Q.dequantize_int4(q, s4, z) - w).pow(2).mean().sqrt()
+    with pytest.raises(Q.QuantizeError, match="groups 32 columns"):
+        Q.quantize_int4i(torch.randn(4, 48))
+
+
 def test_nibble_packing_round_trip_and_order():
     q = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
     packed = Q.pack_nibbles(q)
@@ -106,7 +124,8 @@ def test_int4_kernel_and_fallback_agree(layout):
     assert (ya - yb).abs().max() <= 0.02 * yb.abs().max()
 
 
-@pytest.mark.parametrize("mode, groupsize, tol", [("int8", None, 0.01), ("int4", 32, 0.10), ("int4", 128, 0.12)])
+@pytest.mark.parametrize("mode, groupsize, tol", [("int8", None, 0.01), ("int4", 32, 0.10), ("int4", 128, 0.12),
+                                                 ("int4i", None, 0.10)])
 def test_quantized_linear_close_to_float(mode, groupsize, tol):
     """Relative RMS error of one layer on Gaussian weights and inputs. Expected: int8 ~0.7% (scale = row max / 127,
     error uniform in +-scale/2); int4 ~8% at g32, ~9.5% at g128 (scale = group range / 15). tol has ~25% margin."""
@@ -129,6 +148,8 @@ def test_quantized_linear_close_to_float(mode, groupsize, tol):
     (["--mode", "int4"], "int4.g32", {}),
     (["--mode", "int4", "--groupsize", "128"], "int4.g128", WIDE),
     (["--mode", "int8", "--quantize_head"], "int8.head8", {}),
+    (["--mode", "int4i"], "int4i", {}),  # input dims 160: int8 weights (the int4i tiles take K % 64 == 0)
+    (["--mode", "int4i", "--quantize_head"], "int4i.head8", dict(WIDE, tie_embeddings=True)),
     (["--mode", "int4", "--groupsize", "64", "--quantize_head"], "int4.g64.head8", dict(WIDE, tie_embeddings=True)),
 ])
 def test_quantize_main_writes_a_checkpoint_that_generate_loads(tmp_path, capsys, argv, name, overrides):
@@ -149,8 +170,12 @@ def test_quantize_main_writes_a_checkpoint_that_generate_loads(tmp_path, capsys,
     plain = load_model(ckpt)  # the float checkpoint still loads as float
     assert type(plain.layers[0].attention.wqkv) is Linear
     model = load_model(ckpt, quantization=name)
-    want = Q.Int8Linear if mode == "int8" else Q.Int4Linear
+    want = {"int8": Q.Int8Linear, "int4i": Q.Int4iLinear}.get(mode, Q.Int4Linear)
     assert all(type(m) is want for _, m in Q.linear_layers(model))
+    if mode == "int4i":  # packed for the int8 tiles where they run (AMX, K % 64 == 0), else int8 weights
+        tiles = kernels.isa() == "amx" and overrides == dict(WIDE, tie_embeddings=True)
+        assert all((m.weight.dtype, m.weight.shape[-1]) == ((torch.uint8, 36) if tiles else (torch.int8, 32))
+                   for _, m in Q.linear_layers(model))
     # kernels.py takes int4 layers whose input dim is a multiple of 64 (every LLaMA's; not the tiny model's 160)
     assert all(m.layout == (LAYOUTS[0] if m.padded % 64 == 0 else "cpu") for m in model.modules()
                if isinstance(m, Q.Int4Linear))
@@ -173,7 +198,7 @@ def test_quantized_head_on_an_untied_model_keeps_a_float_embedding(tmp_path):
 
 
 @pytest.mark.parametrize("mode, groupsize, pack", [("int8", None, True), ("int8", None, False), ("int4", 32, True),
-                                                  ("int4", 32, False)])
+                                                  ("int4", 32, False), ("int4i", None, True)])
 def test_prepared_quantized_tensors_are_frozen_parameters(mode, groupsize, pack):
     # Dynamo checks tensor buffers for aliasing before every compiled call (~0.9 ms a step on the default model)
     model = quantized(make_tiny_model(**WIDE, tie_embeddings=True), mode, groupsize, torch.bfloat16, pack=pack,
@@ -223,6 +248,8 @@ def run_cli(main, argv, capsys):
     (["--mode", "int3"], "unknown --mode 'int3'"),
     (["--mode", "int4", "--groupsize", "48"], "--groupsize must be one of 32, 64, 128, 256"),
     (["--mode", "int8", "--groupsize", "32"], "--groupsize applies to --mode int4 only"),
+    (["--mode", "int4i", "--groupsize", "64"], "--groupsize applies to --mode int4 only (int4i has one scale per "
+                                               "output channel, groups of 32)"),
     (["--mode", "int4", "--groupsize", "256"], "--groupsize 256 does not divide the input dim of "
                                                "layers.*.attention.wqkv (128), layers.*.attention.wo (128)"),
     (["--checkpoint", "/nonexistent/ckpt", "--mode", "int8"], "checkpoint directory not found"),
@@ -300,7 +327,7 @@ def test_int4_kernel_that_disagrees_is_not_used(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int4i", None)])
 def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize, dtype):
     target = make_tiny_model()
     head = random_head(target, seed=3)
@@ -314,7 +341,8 @@ def test_quantized_eagle_head_round_trip(tmp_path, mode, groupsize, dtype):
     os.umask(umask)
     assert (tmp_path / "head" / entry["file"]).stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
     loaded = load_head(tmp_path / "head" / entry["file"], target)
-    assert type(loaded.fc) is (Q.Int8Linear if mode == "int8" else Q.Int4Linear) and loaded.fc.bias is not None
+    assert type(loaded.fc) is {"int8": Q.Int8Linear, "int4i": Q.Int4iLinear}.get(mode, Q.Int4Linear)
+    assert loaded.fc.bias is not None
     assert type(load_head(tmp_path / "head", target, quantization=name).layer.feed_forward.w2) is type(loaded.fc)
     assert type(load_head(tmp_path / "head", target).fc) is Linear  # the float head is still the default
     assert loaded._draft_weight.dtype == torch.int8 and head._draft_weight.is_floating_point()
@@ -360,9 +388,9 @@ def test_a_quantized_head_never_written_is_quantized_at_load(tmp_path, mode, gro
 # ---------------------------------------------------------------- exactness of speculative decoding
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int4i", None)])
 def test_speculative_decoding_is_exact_on_a_quantized_target(mode, groupsize, dtype):
-    model = quantized(make_tiny_model(seed=5), mode, groupsize, dtype)
+    model = quantized(make_tiny_model(seed=5, **(WIDE if mode == "int4i" else {})), mode, groupsize, dtype)
     drafter = Drafter(random_head(model, seed=1), "dynamic", depth=4, top_k=3, total_tokens=10)
     for prompt in ([1, 2, 3, 4, 5], list(range(30, 60))):
         plain = greedy(model, prompt, 40, 128)
