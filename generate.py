@@ -37,6 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # 4-node tree: on MT-bench the 8-node one decoded as fast (162.2 against 161.2 tokens/s, docs/performance.md).
 # int4 on AMX takes 3 nodes: its tiles put two weight groups in one product up to 4 rows, so 1 + 3 tokens verify
 # at ~1.25x the linears' one-token time and 1 + 4 at ~1.5x; on MT-bench 1.35-1.37x plain against 1.25-1.28x.
+# int4i (int8 arithmetic, no groups in the tiles) keeps 4 nodes: MT-bench 1.44-1.46x plain; 3 nodes 1.43x, 6 1.36x.
 # default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)

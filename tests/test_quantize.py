@@ -519,3 +519,19 @@ def test_the_residual_added_inside_wo_and_w2_changes_no_bit(mode):
             block.residual_inside = False
         outside = model(tokens, torch.arange(9))
     assert torch.equal(inside, outside)
+
+
+def test_quant_agreement_script_scores_a_variant_against_fp32(default_checkpoint, capsys):
+    """scripts/quant_agreement.py: fp32 against itself is exact; bf16 activations stay close (on this model
+    KL ~0.001, top-1 ~97%); a bad variant name is one error line."""
+    from scripts import quant_agreement
+    quant_agreement.main(["--checkpoint", str(default_checkpoint), "--configs", "bfloat16", "--mt_bench", "2",
+                          "--humaneval", "1"])
+    rows = {r.split("|")[1].strip(): [float(v) for v in r.split("|")[2:5]]
+            for r in capsys.readouterr().out.splitlines() if r.startswith("| float32") or r.startswith("| bfloat16")}
+    assert rows["float32"][1:] == [1.0, 0.0]
+    assert rows["bfloat16"][1] > 0.85 and 0 < rows["bfloat16"][2] < 0.01
+    assert abs(rows["bfloat16"][0] - rows["float32"][0]) < 0.05
+    with pytest.raises(SystemExit) as e:
+        quant_agreement.main(["--checkpoint", str(default_checkpoint), "--configs", "int5"])
+    assert e.value.code == 2 and "unknown quantization 'int5'" in capsys.readouterr().err
