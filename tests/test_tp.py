@@ -19,7 +19,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, default_checkpoint):
-    """A tiny random model with the real vocabulary (so the real tokenizer fits), int8 weights beside it."""
+    """A tiny random model with the real vocabulary (so the real tokenizer fits), int8 and int4i weights beside it."""
     path = tmp_path_factory.mktemp("tp") / "ckpt"
     path.mkdir()
     model = make_tiny_model(vocab_size=49152, dim=128, intermediate_size=256)
@@ -28,6 +28,7 @@ def checkpoint(tmp_path_factory, default_checkpoint):
                                                   "chat_template": "chatml"}))
     shutil.copy(default_checkpoint / "tokenizer.json", path)
     Q.main(["--checkpoint", str(path), "--mode", "int8"])
+    Q.main(["--checkpoint", str(path), "--mode", "int4i"])
     return path
 
 
@@ -43,7 +44,7 @@ def run_generate(checkpoint, out, processes, *flags):
 
 
 @pytest.mark.parametrize("flags", [["--draft", "none"], ["--draft", "random"], ["--draft", "none", "--quant", "int8"],
-                                   ["--draft", "random", "--quant", "int8"]])
+                                   ["--draft", "random", "--quant", "int8"], ["--draft", "random", "--quant", "int4i"]])
 def test_two_processes_give_one_process_tokens(checkpoint, tmp_path, flags):
     one = run_generate(checkpoint, tmp_path / "one.jsonl", 1, *flags)
     two = run_generate(checkpoint, tmp_path / "two.jsonl", 2, *flags)
