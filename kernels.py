@@ -1126,30 +1126,40 @@ inline void int4i_b_tile(const char* p, uint8_t* dst) {
   }
 }
 
+// P panels' sums in C tiles 4..3+P: zeroed, then one 64-column step kp of each panel (A tiles 1..3) times the B tile 0
+template <int P>
+inline void zero_panel_sums() {
+  _tile_zero(4);
+  if (P > 1) _tile_zero(5);
+  if (P > 2) _tile_zero(6);
+}
+template <int P>
+inline void panel_products(const Lin& a, const int8_t* xb, int64_t prow, int64_t kp) {
+  _tile_loadd(1, xb + 64 * kp, a.K);
+  _tile_dpbssd(4, 1, 0);
+  if (P > 1) {
+    _tile_loadd(2, xb + prow + 64 * kp, a.K);
+    _tile_dpbssd(5, 2, 0);
+  }
+  if (P > 2) {
+    _tile_loadd(3, xb + 2 * prow + 64 * kp, a.K);
+    _tile_dpbssd(6, 3, 0);
+  }
+}
+
 template <int P>
 inline void amx_i4i_products(const Lin& a, const int8_t* xb, int c, int64_t n0) {
   const int64_t KP = a.K / 64, prow = (2 * c + 1) * a.K;
   const char* w = a.w + (n0 / 16) * KP * 576;
   alignas(64) uint8_t bt[2][1024];  // this step's B tile and the next one's
-  _tile_zero(4);
-  if (P > 1) _tile_zero(5);
-  if (P > 2) _tile_zero(6);
+  zero_panel_sums<P>();
   int4i_b_tile(w, bt[0]);
   for (int64_t kp = 0; kp < KP; kp++) {
     if (kp + 1 < KP) int4i_b_tile(w + (kp + 1) * 576, bt[(kp + 1) & 1]);
     if (a.ahead_lines)
       for (int l = 0; l < 9; l++) _mm_prefetch(w + kp * 576 + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
     _tile_loadd(0, bt[kp & 1], 64);
-    _tile_loadd(1, xb + 64 * kp, a.K);
-    _tile_dpbssd(4, 1, 0);
-    if (P > 1) {
-      _tile_loadd(2, xb + prow + 64 * kp, a.K);
-      _tile_dpbssd(5, 2, 0);
-    }
-    if (P > 2) {
-      _tile_loadd(3, xb + 2 * prow + 64 * kp, a.K);
-      _tile_dpbssd(6, 3, 0);
-    }
+    panel_products<P>(a, xb, prow, kp);
   }
 }
 
@@ -1158,24 +1168,13 @@ inline void amx_i8_tall_products(const Lin& a, const int8_t* xb, int c, int64_t 
   if (a.int4i) return amx_i4i_products<P>(a, xb, c, n0);
   const int64_t KP = a.K / 64, prow = (2 * c + 1) * a.K;
   const char* w = a.w + (n0 / 16) * KP * 1024;
-  _tile_zero(4);
-  if (P > 1) _tile_zero(5);
-  if (P > 2) _tile_zero(6);
+  zero_panel_sums<P>();
   for (int64_t kp = 0; kp < KP; kp++) {
     const char* p = w + kp * 1024;
     if (a.ahead_lines)
       for (int l = 0; l < 16; l++) _mm_prefetch(p + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
     _tile_loadd(0, p, 64);
-    _tile_loadd(1, xb + 64 * kp, a.K);
-    _tile_dpbssd(4, 1, 0);
-    if (P > 1) {
-      _tile_loadd(2, xb + prow + 64 * kp, a.K);
-      _tile_dpbssd(5, 2, 0);
-    }
-    if (P > 2) {
-      _tile_loadd(3, xb + 2 * prow + 64 * kp, a.K);
-      _tile_dpbssd(6, 3, 0);
-    }
+    panel_products<P>(a, xb, prow, kp);
   }
 }
 
