@@ -185,7 +185,12 @@ class Int4iLinear(Int8Linear):
         return super().forward(x, residual)
 
     def prepare(self, pack=True):
-        """Packed for the int8 tiles (pack and the CPU takes it: True), else the int8 weights (False)."""
+        """Packed for the int8 tiles (pack and the CPU takes it: True), else the int8 weights (False). Steps or
+        bases that do not keep every value within int8 (a file not written by quantize_int4i) are refused."""
+        steps, bases = self.steps.int(), self.bases.int()
+        if steps.numel() and (steps.min() < 1 or steps.max() > 17 or (bases + 15 * steps).max() > 127):
+            raise QuantizeError("int4i weights need steps in 1..17 and base + 15 * step <= 127 (every value "
+                                "within int8)")
         if pack and kernels.int4i_takes(self.weight):
             self.weight = kernels.pack_int4i(self.weight, self.steps, self.bases)
             self.scales = self.scales.float().contiguous()
@@ -672,6 +677,8 @@ def main(argv=None):
 
     if args.mode not in MODES:
         die(f"unknown --mode {args.mode!r}; choose int8, int4 or int4i")
+    if args.mode != "int4" and args.pad:
+        die(f"--pad applies to --mode int4 only ({args.mode} takes input dims as they are)")
     if args.mode != "int4" and args.groupsize is not None:
         die(f"--groupsize applies to --mode int4 only ({args.mode} has one scale per output channel"
             + (f", groups of {INT4I_GROUP})" if args.mode == "int4i" else ")"))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from generate import DTYPES, ROOT, default_checkpoint, die, load_model_or_die  # noqa: E402
 from quantize import QuantizeError, parse_name, quantize_checkpoint  # noqa: E402
-from model import read_config  # noqa: E402
+from model import CheckpointError, read_config  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 
@@ -48,20 +48,20 @@ def main(argv=None):
     p.add_argument("--mt_bench", type=int, default=20, help="MT-bench first turns (of 80)")
     p.add_argument("--humaneval", type=int, default=40, help="HumanEval prompts (of 164)")
     args = p.parse_args(argv)
-    checkpoint = args.checkpoint or default_checkpoint()
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in configs:
-        if c in DTYPES:
-            continue
-        try:
-            mode, groupsize, head = parse_name(c)
-        except QuantizeError as e:
-            die(str(e))
-        if c not in read_config(checkpoint).get("quantized", {}):
-            print(f"writing {c} beside {checkpoint}", file=sys.stderr)
-            quantize_checkpoint(checkpoint, mode, groupsize, quantize_head=head)
     if args.mt_bench < 0 or args.humaneval < 0 or args.mt_bench + args.humaneval == 0:
         die("--mt_bench and --humaneval must be >= 0, and not both 0")
+    checkpoint = args.checkpoint or default_checkpoint()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    try:
+        for c in configs:
+            if c in DTYPES:
+                continue
+            mode, groupsize, head = parse_name(c)
+            if c not in read_config(checkpoint).get("quantized", {}):
+                print(f"writing {c} beside {checkpoint}", file=sys.stderr)
+                quantize_checkpoint(checkpoint, mode, groupsize, quantize_head=head)
+    except (QuantizeError, CheckpointError, FileNotFoundError) as e:
+        die(str(e))
     data = ROOT / "data"
     texts = [json.loads(line)["turns"][0] for line in (data / "mt_bench.jsonl").open()][:args.mt_bench]
     texts += [json.loads(line)["prompt"] for line in (data / "humaneval.jsonl").open()][:args.humaneval]

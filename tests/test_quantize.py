@@ -82,6 +82,10 @@ def test_int4i_values_are_int8_with_16_evenly_spaced_a_group():
         assert err < (Q.dequantize_int4(q, s4, z) - w).pow(2).mean().sqrt()
     with pytest.raises(Q.QuantizeError, match="groups 32 columns"):
         Q.quantize_int4i(torch.randn(4, 48))
+    layer = Q.quantize_model(nn.Sequential(nn.Linear(64, 16)), "int4i")[0]
+    layer.steps[3, 1] = 18  # q * nibble would carry out of its byte: a file quantize_int4i never writes
+    with pytest.raises(Q.QuantizeError, match="steps in 1..17"):
+        layer.prepare()
 
 
 def test_nibble_packing_round_trip_and_order():
@@ -248,6 +252,7 @@ def run_cli(main, argv, capsys):
     (["--mode", "int3"], "unknown --mode 'int3'"),
     (["--mode", "int4", "--groupsize", "48"], "--groupsize must be one of 32, 64, 128, 256"),
     (["--mode", "int8", "--groupsize", "32"], "--groupsize applies to --mode int4 only"),
+    (["--mode", "int4i", "--pad"], "--pad applies to --mode int4 only"),
     (["--mode", "int4i", "--groupsize", "64"], "--groupsize applies to --mode int4 only (int4i has one scale per "
                                                "output channel, groups of 32)"),
     (["--mode", "int4", "--groupsize", "256"], "--groupsize 256 does not divide the input dim of "
@@ -532,6 +537,8 @@ def test_quant_agreement_script_scores_a_variant_against_fp32(default_checkpoint
     assert rows["float32"][1:] == [1.0, 0.0]
     assert rows["bfloat16"][1] > 0.85 and 0 < rows["bfloat16"][2] < 0.01
     assert abs(rows["bfloat16"][0] - rows["float32"][0]) < 0.05
-    with pytest.raises(SystemExit) as e:
-        quant_agreement.main(["--checkpoint", str(default_checkpoint), "--configs", "int5"])
-    assert e.value.code == 2 and "unknown quantization 'int5'" in capsys.readouterr().err
+    for configs, message in (("int5", "unknown quantization 'int5'"), ("int4.g256", "--groupsize 256 does not divide")):
+        with pytest.raises(SystemExit) as e:
+            quant_agreement.main(["--checkpoint", str(default_checkpoint), "--configs", configs])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "Traceback" not in err
