@@ -2706,6 +2706,14 @@ def int4i_takes(weight: Tensor) -> bool:
             and K % 64 == 0 and K <= 65536 and load() and isa() == "amx")
 
 
+def int4i_values(nibbles: Tensor, steps: Tensor, bases: Tensor) -> Tensor:
+    """The int8 weights (N, K) that int4i nibbles (N, K/2; column 2j in the low nibble), steps q and bases z (N, K/32)
+    stand for: q * nibble + z."""
+    N, G = steps.shape
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(N, G, -1).to(torch.int16)
+    return (q * steps.to(torch.int16)[..., None] + bases.to(torch.int16)[..., None]).reshape(N, -1).to(torch.int8)
+
+
 def pack_int4i(nibbles: Tensor, steps: Tensor, bases: Tensor) -> Tensor:
     """int4i (quantize.quantize_int4i: int8 weights q * nibble + z, 32-column groups) -> (N/16, K/64, 16, 36) uint8:
     for each 16 rows and 64 columns, the nibbles as _int4_tiles lays them out (512 bytes), then the two groups'
@@ -2738,11 +2746,9 @@ def unpack(packed: Tensor) -> Tensor:
     B, KB, R, C = packed.shape
     if C == 36:  # pack_int4i
         raw = packed.reshape(B, KB, 576)
-        nib = unpack(raw[..., :512].reshape(B, KB, 16, 32).contiguous())  # (N, K/2), column 2j in the low nibble
-        nib = torch.stack([nib & 15, nib >> 4], dim=-1).reshape(16 * B, KB * 2, 32).to(torch.int16)
+        nibbles = unpack(raw[..., :512].reshape(B, KB, 16, 32).contiguous())  # (N, K/2)
         qz = raw[..., 512:].reshape(B, KB, 2, 2, 16).permute(0, 4, 1, 2, 3).reshape(16 * B, 2 * KB, 2)
-        q, z = qz[..., 0].to(torch.int16), qz[..., 1].view(torch.int8).to(torch.int16)
-        return (nib * q[..., None] + z[..., None]).reshape(16 * B, 64 * KB).to(torch.int8)
+        return int4i_values(nibbles, qz[..., 0], qz[..., 1].view(torch.int8))
     if packed.dtype == torch.uint8 and R == 16:  # _int4_tiles
         v = packed.reshape(B, KB, 1, 8, 16, 4)
         q = torch.cat([v & 15, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(16 * B, 64 * KB)  # (blk, n, kp, half, r, j)

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from kernels import int4i_values  # the int8 weights an int4i file stands for (kernels.unpack reads them back too)
 from model import (CheckpointError, ModelArgs, Transformer, default_checkpoint, load_checkpoint, load_safetensors,
                    load_state_dict_strict, read_config)
 
@@ -113,14 +114,6 @@ def quantize_int4i(w):
                     torch.where(better[..., None], nib, best[3])]
     _, q, z, nib = best
     return pack_nibbles(nib.reshape(N, K)), scales, q.to(torch.uint8), z.to(torch.int8)
-
-
-def int4i_values(nibbles, steps, bases):
-    """The int8 weights (N, K) that int4i nibbles (N, K/2), steps and bases (N, K/32) stand for: q * nibble + z."""
-    q = unpack_nibbles(nibbles).to(torch.int16)
-    N, G = steps.shape
-    w = q.view(N, G, -1) * steps.to(torch.int16)[..., None] + bases.to(torch.int16)[..., None]
-    return w.reshape(N, -1).to(torch.int8)
 
 
 def dequantize_int4(q, scales, zeros):

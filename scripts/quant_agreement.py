@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from generate import DTYPES, ROOT, default_checkpoint, die, load_model_or_die  # noqa: E402
-from quantize import QuantizeError, parse_name, quantize_checkpoint  # noqa: E402
-from model import CheckpointError, read_config  # noqa: E402
+from model import CheckpointError  # noqa: E402
+from quantize import QuantizeError, parse_name  # noqa: E402
+from scripts.quant_report import ensure_quantized  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 
@@ -56,10 +57,8 @@ def main(argv=None):
         for c in configs:
             if c in DTYPES:
                 continue
-            mode, groupsize, head = parse_name(c)
-            if c not in read_config(checkpoint).get("quantized", {}):
-                print(f"writing {c} beside {checkpoint}", file=sys.stderr)
-                quantize_checkpoint(checkpoint, mode, groupsize, quantize_head=head)
+            parse_name(c)
+            ensure_quantized(checkpoint, c)
     except (QuantizeError, CheckpointError, FileNotFoundError) as e:
         die(str(e))
     data = ROOT / "data"
