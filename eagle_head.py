@@ -514,10 +514,13 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
         raise ValueError(f"draft head {path}: d2t maps draft ids below 0")
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
     # load_state_dict copies into the module's own (fp32) tensors: cast afterwards to the requested dtype
-    head = head.to(device=device, dtype=dtype).eval()  # a quantized head's float tensors too (norms, scales), as
-    # load_quantized does for a model: the KV cache and activations follow them
-    if quantized:  # on its device first: int4 packs for that device's kernel
-        prepare(head, dtype)
+    head = head.to(device=device, dtype=dtype).eval()  # the KV cache and activations follow the float tensors
+    if quantized:  # scales and zeros as saved (fp32), as load_quantized keeps a model's: the kernels take fp32 ones
+        for name, m in head.named_modules():
+            for k in ("scales", "zeros"):
+                if f"{name}.{k}" in weights:
+                    setattr(m, k, weights[f"{name}.{k}"].float().to(device))
+        prepare(head, dtype)  # on its device first: int4 packs for that device's kernel
     return head.attach(target)
 
 

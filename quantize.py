@@ -437,6 +437,8 @@ def prepare(model, dtype, use_kernel=True, pack=True):
     fell back to dequantizing} (empty when every int4 layer packed)."""
     packed, cast, fallbacks = {}, {}, {}
     for name, m in model.named_modules():
+        if isinstance(m, Int8Linear) and m.weight.dim() == 4:
+            continue  # packed by an earlier prepare(): its scales are the kernel's fp32 ones already
         if isinstance(m, Int4iLinear) and m.weight.dtype == torch.uint8 and m.weight.dim() == 2:
             if m.prepare(pack and use_kernel):  # packed for the int8 tiles; else int8 weights, prepared below
                 if m.bias is not None:
@@ -454,7 +456,7 @@ def prepare(model, dtype, use_kernel=True, pack=True):
             if (why := m.prepare(dtype, use_kernel, pack)) is not None:
                 fallbacks[name] = why
     for m in model.modules():  # an int8 embedding follows its tied LM head, and yields the activations' dtype
-        if isinstance(m, Int8Embedding):
+        if isinstance(m, Int8Embedding) and m.weight.dim() == 2:  # (packed: its head's, by an earlier prepare())
             head = packed.get(id(m.weight))
             m.weight, m.scales = (head.weight, head.scales) if head else (m.weight, cast.setdefault(id(m.scales),
                                                                                                      m.scales.to(dtype)))

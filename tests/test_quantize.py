@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import generate as gen
 import kernels
@@ -216,6 +216,16 @@ def test_prepared_quantized_tensors_are_frozen_parameters(mode, groupsize, pack)
     assert greedy(model, [1, 2, 3], 8, 32) == greedy(copy.deepcopy(model), [1, 2, 3], 8, 32)
 
 
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int4i", None)])
+def test_prepare_twice_changes_nothing(mode, groupsize):
+    # a packed layer's scales are the kernel's fp32 ones: a second prepare() must leave them (it cast them to bf16)
+    model = quantized(make_tiny_model(**WIDE, tie_embeddings=True), mode, groupsize, torch.bfloat16,
+                      quantize_head=True)
+    before = greedy(model, [1, 2, 3], 8, 32)
+    Q.prepare(model, torch.bfloat16)
+    assert greedy(model, [1, 2, 3], 8, 32) == before
+
+
 @pytest.mark.parametrize("mode", [None, "int8", "int4"])
 def test_packed_gate_and_up_fuse_into_one_layer_with_the_same_outputs(mode):
     # pack_weights lays w1 and w3 side by side in one packed layer (one kernel call): every output the same bits
@@ -388,6 +398,20 @@ def test_a_quantized_head_never_written_is_quantized_at_load(tmp_path, mode, gro
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="no .head8 variant"):
         load_head(tmp_path / "head", target, quantization="int8.head8")
+
+
+def test_a_quantized_head_keeps_its_fp32_scales_for_the_kernels(tmp_path):
+    # as a quantized model's: a bf16 head's scales rounded to bf16 before packing would move every draft logit
+    target = make_tiny_model(**WIDE).to(torch.bfloat16)
+    save_head(random_head(target, seed=3), tmp_path / "head", target_info(target))
+    saved = Q.quantize_head_weights(load_file(tmp_path / "head" / "head.safetensors"), "int8")
+    loaded = load_head(tmp_path / "head", target, dtype=torch.bfloat16, quantization="int8")
+    packed = {n: m for n, m in loaded.named_modules() if isinstance(m, Q.Int8Linear) and m.weight.dim() == 4}
+    if not kernels.load():
+        pytest.skip("kernels.py did not build")
+    assert packed
+    for n, m in packed.items():
+        assert m.scales.dtype == torch.float32 and torch.equal(m.scales, saved[f"{n}.scales"].float())
 
 
 # ---------------------------------------------------------------- exactness of speculative decoding
