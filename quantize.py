@@ -143,9 +143,13 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features, out_features, bias=False, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight", self.file_weight(out_features, in_features, device))
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    @staticmethod
+    def file_weight(N, K, device):  # the weight as the file holds it, zeros
+        return torch.zeros(N, K, dtype=torch.int8, device=device)
 
     def forward(self, x, residual=None):
         if self.weight.dim() == 4:
@@ -163,9 +167,12 @@ class Int4iLinear(Int8Linear):
     def __init__(self, in_features, out_features, bias=False, device=None):
         super().__init__(in_features, out_features, bias, device)
         G = in_features // INT4I_GROUP
-        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("steps", torch.ones(out_features, G, dtype=torch.uint8, device=device))
         self.register_buffer("bases", torch.zeros(out_features, G, dtype=torch.int8, device=device))
+
+    @staticmethod
+    def file_weight(N, K, device):  # the nibbles
+        return torch.zeros(N, K // 2, dtype=torch.uint8, device=device)
 
     def values(self):
         return int4i_values(self.weight, self.steps, self.bases)
