@@ -733,9 +733,11 @@ inline __m512i q16x32(const E* p, __m512 inv) {  // 32 values' 16-bit integers, 
   return _mm512_or_si512(_mm512_and_si512(qe, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(qo, 16));
 }
 
-// int8's panels of c straight from x, each row's scale into xs: (panels, 2c + 1, K) bytes, the high bytes of the
-// row's 16-bit integers (quantize_rows16's, not written out), then the low ones less 128, zeros past M, and a row of
-// ones, whose sum q . 1 puts the 128 back. Two shuffles split 32 integers into their bytes.
+// int8's panels of c straight from x, each row's scale into xs: (panels, 2c + 1, K) bytes, a panel's c' rows (c, the
+// last one's the rows left) as the high bytes of their 16-bit integers (quantize_rows16's, not written out), then
+// the low ones less 128, then a row of ones, whose sum q . 1 puts the 128 back: 2c' + 1 tile rows, a shorter last
+// panel's tile configured shorter (the tiles' time grows with their rows: 9 and 17 rows ~2% faster than with the
+// last panel padded to c). Two shuffles split 32 integers into their bytes.
 inline void split_bytes(__m512i q16, int8_t* hi, int8_t* lo) {  // 32 16-bit integers in order: high bytes, low ^ 128
   const __m512i within = _mm512_set4_epi32(0x0e0c0a08, 0x06040200, 0x0f0d0b09, 0x07050301);  // a lane: high, low
   const __m512i b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
@@ -746,19 +748,20 @@ inline void split_bytes(__m512i q16, int8_t* hi, int8_t* lo) {  // 32 16-bit int
 template <typename E>
 void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, std::vector<int8_t>& out) {
   const int64_t panels = (M + c - 1) / c, rows = 2 * c + 1;
-  out.resize(panels * rows * K);  // every byte written below
-  for (int64_t m = 0; m < panels * c; m++) {
-    int8_t* hi = out.data() + ((m / c) * rows + m % c) * K;
-    int8_t* lo = hi + c * K;
+  out.resize(panels * rows * K);  // the bytes the tiles read written below
+  for (int64_t m = 0; m < M; m++) {
+    const int64_t pn = m / c, cp = std::min(c, M - pn * c);  // cp: this panel's rows
+    int8_t* hi = out.data() + (pn * rows + m % c) * K;
+    int8_t* lo = hi + cp * K;
     __m512 inv;
-    if (m < M) xs[m] = row_scale(x + m * K, K, &inv);
-    if (m >= M || !(xs[m] > 0.0f)) {  // rows past M: zeros; a row of zeros, or with an inf or a NaN: integers 0
-      std::memset(hi, 0, K), std::memset(lo, m >= M ? 0 : -128, K);
+    xs[m] = row_scale(x + m * K, K, &inv);
+    if (!(xs[m] > 0.0f)) {  // a row of zeros, or with an inf or a NaN: integers 0
+      std::memset(hi, 0, K), std::memset(lo, -128, K);
       continue;
     }
     for (int64_t k = 0; k < K; k += 32) split_bytes(q16x32(x + m * K + k, inv), hi + k, lo + k);
   }
-  for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * rows + 2 * c) * K, 1, K);
+  for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * rows + 2 * std::min(c, M - pn * c)) * K, 1, K);
 }
 
 // the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
@@ -1084,11 +1087,11 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
   }
 }
 
-inline void configure_tiles_i8_tall(int rows) {  // rows: the A tiles', 2c + 1
+inline void configure_tiles_i8_tall(int rows, int last, int last_rows) {  // rows: the A tiles', 2c + 1; panel last's 2c' + 1
   TileConfig c;
-  c.rows[0] = 16, c.colsb[0] = 64;                                 // B: 64 columns of 16 weight rows
-  for (int t = 1; t <= 3; t++) c.rows[t] = rows, c.colsb[t] = 64;  // A: up to 3 panels, 64 columns
-  for (int t = 4; t <= 6; t++) c.rows[t] = rows, c.colsb[t] = 64;  // C: their sums
+  c.rows[0] = 16, c.colsb[0] = 64;  // B: 64 columns of 16 weight rows
+  for (int t = 1; t <= 3; t++) c.rows[t] = t - 1 == last ? last_rows : rows, c.colsb[t] = 64;  // A: up to 3 panels
+  for (int t = 4; t <= 6; t++) c.rows[t] = t - 4 == last ? last_rows : rows, c.colsb[t] = 64;  // C: their sums
   load_tile_config(c);
 }
 
@@ -1178,18 +1181,18 @@ inline void amx_i8_tall_products(const Lin& a, const int8_t* xb, int c, int64_t 
   }
 }
 
-// panel pn's outputs of block n0 from its sums, each rounded once
+// panel pn's outputs of block n0 from its sums (its mp rows' high bytes', low bytes', the ones'), each rounded once
 inline void amx_i8_tall_finish(const Lin& a, const int32_t (*sums)[16], int c, int64_t m0, int pn, int64_t n0) {
   const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
   __m512d ones[2];  // 128 w . 1, the block's for every row; each sum exact in double (below 2^53), in any order
   for (int h = 0; h < 2; h++)
-    ones[h] = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * c] + 8 * h))),
+    ones[h] = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * mp] + 8 * h))),
                             _mm512_set1_pd(128.0));
   for (int64_t m = 0; m < mp; m++) {
     __m256 t[2];
     for (int h = 0; h < 2; h++) {
       const __m512d hi = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[m] + 8 * h)));
-      const __m512d lo = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[c + m] + 8 * h)));
+      const __m512d lo = _mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[mp + m] + 8 * h)));
       t[h] = _mm512_cvtpd_ps(_mm512_add_pd(_mm512_fmadd_pd(hi, _mm512_set1_pd(256.0), lo), ones[h]));
     }
     finish16(a, m0 + pn * c + m, n0, _mm512_insertf32x8(_mm512_castps256_ps512(t[0]), t[1], 1));
@@ -1208,7 +1211,7 @@ void run_amx_i8_tall(const Lin& a, const E* x, float* xs) {  // x (M, K) fp32 or
     panel_bytes_x(x + p0 * a.K, rows, c, a.K, xs + p0, xbytes);
     const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      configure_tiles_i8_tall(2 * c + 1);
+      configure_tiles_i8_tall(2 * c + 1, (int)panels - 1, 2 * (int)(rows - (panels - 1) * c) + 1);
       // one panel: a block's outputs are finished after the next block's products, when its tile store has reached
       // L1 (read right after the store, each load waited for it: 5 rows 3-8% slower); 2-3 panels (9+ rows) store
       // and finish panel by panel, as before (finished a block later, 17 rows measured 1-14% slower in one run)
