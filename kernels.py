@@ -735,9 +735,9 @@ inline __m512i q16x32(const E* p, __m512 inv) {  // 32 values' 16-bit integers, 
 
 // int8's panels of c straight from x, each row's scale into xs: (panels, 2c + 1, K) bytes, a panel's c' rows (c, the
 // last one's the rows left) as the high bytes of their 16-bit integers (quantize_rows16's, not written out), then
-// the low ones less 128, then a row of ones, whose sum q . 1 puts the 128 back: 2c' + 1 tile rows, a shorter last
-// panel's tile configured shorter (the tiles' time grows with their rows: 9 and 17 rows ~2% faster than with the
-// last panel padded to c). Two shuffles split 32 integers into their bytes.
+// the low ones less 128, and in the first panel a row of ones, whose sum q . 1 puts the 128 back (the same sums for
+// every panel): tiles of 2c' + 1 rows, then 2c', each configured to its rows (the tiles' time grows with their rows:
+// 9 to 17 rows 2-6% faster than with every panel 2c + 1 rows). Two shuffles split 32 integers into their bytes.
 inline void split_bytes(__m512i q16, int8_t* hi, int8_t* lo) {  // 32 16-bit integers in order: high bytes, low ^ 128
   const __m512i within = _mm512_set4_epi32(0x0e0c0a08, 0x06040200, 0x0f0d0b09, 0x07050301);  // a lane: high, low
   const __m512i b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
@@ -761,7 +761,7 @@ void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, std::
     }
     for (int64_t k = 0; k < K; k += 32) split_bytes(q16x32(x + m * K + k, inv), hi + k, lo + k);
   }
-  for (int64_t pn = 0; pn < panels; pn++) std::memset(out.data() + (pn * rows + 2 * std::min(c, M - pn * c)) * K, 1, K);
+  std::memset(out.data() + 2 * std::min(c, M) * K, 1, K);
 }
 
 // the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
@@ -1087,11 +1087,11 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
   }
 }
 
-inline void configure_tiles_i8_tall(int rows, int last, int last_rows) {  // rows: the A tiles', 2c + 1; panel last's 2c' + 1
+inline void configure_tiles_i8_tall(const int* rows) {  // rows: each panel's A tile's (panel_bytes_x)
   TileConfig c;
   c.rows[0] = 16, c.colsb[0] = 64;  // B: 64 columns of 16 weight rows
-  for (int t = 1; t <= 3; t++) c.rows[t] = t - 1 == last ? last_rows : rows, c.colsb[t] = 64;  // A: up to 3 panels
-  for (int t = 4; t <= 6; t++) c.rows[t] = t - 4 == last ? last_rows : rows, c.colsb[t] = 64;  // C: their sums
+  for (int t = 1; t <= 3; t++) c.rows[t] = rows[t - 1], c.colsb[t] = 64;  // A: up to 3 panels
+  for (int t = 4; t <= 6; t++) c.rows[t] = rows[t - 4], c.colsb[t] = 64;  // C: their sums
   load_tile_config(c);
 }
 
@@ -1181,12 +1181,14 @@ inline void amx_i8_tall_products(const Lin& a, const int8_t* xb, int c, int64_t 
   }
 }
 
-// panel pn's outputs of block n0 from its sums (its mp rows' high bytes', low bytes', the ones'), each rounded once
-inline void amx_i8_tall_finish(const Lin& a, const int32_t (*sums)[16], int c, int64_t m0, int pn, int64_t n0) {
+// panel pn's outputs of block n0 from its sums (its mp rows' high bytes', low bytes') and the first panel's sums of
+// the row of ones, each rounded once
+inline void amx_i8_tall_finish(const Lin& a, const int32_t (*sums)[16], const int32_t* ones_sums, int c, int64_t m0,
+                               int pn, int64_t n0) {
   const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
   __m512d ones[2];  // 128 w . 1, the block's for every row; each sum exact in double (below 2^53), in any order
   for (int h = 0; h < 2; h++)
-    ones[h] = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(sums[2 * mp] + 8 * h))),
+    ones[h] = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(ones_sums + 8 * h))),
                             _mm512_set1_pd(128.0));
   for (int64_t m = 0; m < mp; m++) {
     __m256 t[2];
@@ -1210,27 +1212,32 @@ void run_amx_i8_tall(const Lin& a, const E* x, float* xs) {  // x (M, K) fp32 or
     const int c = (int)((rows + panels - 1) / panels);  // 9 rows: panels of 5 and 4, not 7 and 2
     panel_bytes_x(x + p0 * a.K, rows, c, a.K, xs + p0, xbytes);
     const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
+    int tile_rows[3];
+    for (int pn = 0; pn < 3; pn++) tile_rows[pn] = 2 * (int)std::max<int64_t>(1, std::min<int64_t>(c, rows - pn * c)) + (pn == 0);
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      configure_tiles_i8_tall(2 * c + 1, (int)panels - 1, 2 * (int)(rows - (panels - 1) * c) + 1);
+      configure_tiles_i8_tall(tile_rows);
       // one panel: a block's outputs are finished after the next block's products, when its tile store has reached
       // L1 (read right after the store, each load waited for it: 5 rows 3-8% slower); 2-3 panels (9+ rows) store
       // and finish panel by panel, as before (finished a block later, 17 rows measured 1-14% slower in one run)
       alignas(64) int32_t sums[2][16][16];
+      alignas(64) int32_t ones_sums[16];  // the first panel's, for the others
       for (int64_t b = b0; b < b1; b++) {
         if (panels == 1) {
           amx_i8_tall_products<1>(a, xb, c, 16 * b);
           store_sums(0, &sums[b & 1][0][0]);
-          if (b > b0) amx_i8_tall_finish(a, sums[(b & 1) ^ 1], c, p0, 0, 16 * (b - 1));
+          if (b > b0) amx_i8_tall_finish(a, sums[(b & 1) ^ 1], sums[(b & 1) ^ 1][2 * c], c, p0, 0, 16 * (b - 1));
           continue;
         }
         if (panels == 2) amx_i8_tall_products<2>(a, xb, c, 16 * b);
         else amx_i8_tall_products<3>(a, xb, c, 16 * b);
         for (int pn = 0; pn < panels; pn++) {
           store_sums(pn, &sums[0][0][0]);
-          amx_i8_tall_finish(a, sums[0], c, p0, pn, 16 * b);
+          if (pn == 0) std::memcpy(ones_sums, sums[0][2 * c], sizeof(ones_sums));
+          amx_i8_tall_finish(a, sums[0], ones_sums, c, p0, pn, 16 * b);
         }
       }
-      if (panels == 1 && b1 > b0) amx_i8_tall_finish(a, sums[((b1 - 1) & 1)], c, p0, 0, 16 * (b1 - 1));
+      if (panels == 1 && b1 > b0)
+        amx_i8_tall_finish(a, sums[(b1 - 1) & 1], sums[(b1 - 1) & 1][2 * c], c, p0, 0, 16 * (b1 - 1));
       _tile_release();
     });
   }
