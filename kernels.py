@@ -131,6 +131,12 @@ T* scratch(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
+// the same, 64-byte aligned (malloc aligns to 16): a tile's 64-byte row then loads one cache line, not two
+template <typename T>
+T* scratch64(std::vector<T>& v, int64_t n) {
+  return (T*)(((uintptr_t)scratch(v, n + 64 / sizeof(T)) + 63) & ~(uintptr_t)63);
+}
+
 enum WType { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
 
 // A packed weight (kernels.pack): blocks of 4 rows x 32 columns, each block's rows one after another (32 values,
@@ -674,12 +680,12 @@ inline void configure_tiles_i4(int rows) {  // rows: the A tile's, 2c
 
 // rows m of xq as int4's panels of c: (panels, 2c, K) bytes, the high bytes, then the low ones, zeros past M; x
 // within +-32639 (qmax), both bytes signed, x = 256 hi + lo with hi = (x + 128) >> 8 and lo the low byte read as signed
-void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, std::vector<int8_t>& out) {
+void panel_bytes(const int16_t* xq, int64_t M, int64_t c, int64_t K, int8_t* out) {
   const int64_t panels = (M + c - 1) / c, rows = 2 * c;
-  out.assign(panels * rows * K, 0);
+  std::memset(out, 0, panels * rows * K);
   const __m512i round = _mm512_set1_epi16(128);
   for (int64_t m = 0; m < M; m++) {
-    int8_t* hi = out.data() + ((m / c) * rows + m % c) * K;
+    int8_t* hi = out + ((m / c) * rows + m % c) * K;
     int8_t* lo = hi + c * K;
     for (int64_t k = 0; k < K; k += 32) {
       const __m512i v = _mm512_loadu_si512(xq + m * K + k);
@@ -746,12 +752,11 @@ inline void split_bytes(__m512i q16, int8_t* hi, int8_t* lo) {  // 32 16-bit int
   _mm256_storeu_si256((__m256i*)lo, _mm256_xor_si256(_mm512_extracti64x4_epi64(b, 1), _mm256_set1_epi8(-128)));
 }
 template <typename E>
-void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, std::vector<int8_t>& out) {
-  const int64_t panels = (M + c - 1) / c, rows = 2 * c + 1;
-  out.resize(panels * rows * K);  // the bytes the tiles read written below
+void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, int8_t* out) {  // out: (panels, 2c + 1, K)
+  const int64_t rows = 2 * c + 1;  // the bytes the tiles read are written below
   for (int64_t m = 0; m < M; m++) {
     const int64_t pn = m / c, cp = std::min(c, M - pn * c);  // cp: this panel's rows
-    int8_t* hi = out.data() + (pn * rows + m % c) * K;
+    int8_t* hi = out + (pn * rows + m % c) * K;
     int8_t* lo = hi + cp * K;
     __m512 inv;
     xs[m] = row_scale(x + m * K, K, &inv);
@@ -761,7 +766,7 @@ void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, std::
     }
     for (int64_t k = 0; k < K; k += 32) split_bytes(q16x32(x + m * K + k, inv), hi + k, lo + k);
   }
-  std::memset(out.data() + 2 * std::min(c, M) * K, 1, K);
+  std::memset(out + 2 * std::min(c, M) * K, 1, K);
 }
 
 // the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
@@ -860,15 +865,15 @@ inline void configure_tiles_i4_pairs(int c) {
 }
 
 // rows of xq (M <= 4) as pairs of groups: (K / 64, 4M, 64) bytes, as above
-void pair_bytes(const int16_t* xq, int64_t M, int64_t K, std::vector<int8_t>& out) {
+void pair_bytes(const int16_t* xq, int64_t M, int64_t K, int8_t* out) {
   const int64_t rows = 4 * M;
-  out.assign(K / 64 * rows * 64, 0);
+  std::memset(out, 0, K / 64 * rows * 64);
   const __m512i round = _mm512_set1_epi16(128);
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k += 32) {
       const int j = (int)((k / 32) & 1);
       const __m512i v = _mm512_loadu_si512(xq + m * K + k);
-      int8_t* hi = out.data() + ((k / 64) * rows + 2 * M * j + m) * 64 + 32 * j;
+      int8_t* hi = out + ((k / 64) * rows + 2 * M * j + m) * 64 + 32 * j;
       _mm256_storeu_si256((__m256i*)hi, _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_add_epi16(v, round), 8)));
       _mm256_storeu_si256((__m256i*)(hi + M * 64), _mm512_cvtepi16_epi8(v));
     }
@@ -931,12 +936,12 @@ inline void configure_tiles_i4_wide(int cols) {
 }
 
 // the activations' high (signed) and low (unsigned) bytes, (padded, K) each, zero rows past `rows`
-void byte_planes(const int16_t* xq, int64_t rows, int64_t padded, int64_t K, std::vector<int8_t>& hi, std::vector<uint8_t>& lo) {
-  hi.assign(padded * K, 0), lo.assign(padded * K, 0);
+void byte_planes(const int16_t* xq, int64_t rows, int64_t padded, int64_t K, int8_t* hi, uint8_t* lo) {
+  std::memset(hi, 0, padded * K), std::memset(lo, 0, padded * K);
   for (int64_t i = 0; i < rows * K; i += 32) {
     const __m512i v = _mm512_loadu_si512(xq + i);
-    _mm256_storeu_si256((__m256i*)(hi.data() + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-    _mm256_storeu_si256((__m256i*)(lo.data() + i), _mm512_cvtepi16_epi8(v));
+    _mm256_storeu_si256((__m256i*)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    _mm256_storeu_si256((__m256i*)(lo + i), _mm512_cvtepi16_epi8(v));
   }
 }
 
@@ -1038,9 +1043,12 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     const int64_t most = wide ? 16 : PANEL_ROWS, panels = (p.M + most - 1) / most;
     const int c = (int)((p.M + panels - 1) / panels);  // 17 rows: panels of 9 and 8, not 16 and 1
     const bool in_pairs = a.G == 32 && p.M <= 4;  // two groups a product (amx_i4_pairs)
-    if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xbytes, xlow);
-    else if (in_pairs) pair_bytes(a.xq + p0 * a.K, p.M, a.K, xbytes);
-    else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, xbytes);
+    // this thread's buffers (a worker's would be its own), 64-byte aligned
+    int8_t* const xb = scratch64(xbytes, wide ? panels * c * a.K : in_pairs ? 4 * p.M * a.K : (p.M + c - 1) / c * 2 * c * a.K);
+    uint8_t* const xl = wide ? scratch64(xlow, panels * c * a.K) : nullptr;
+    if (wide) byte_planes(a.xq + p0 * a.K, p.M, panels * c, a.K, xb, xl);
+    else if (in_pairs) pair_bytes(a.xq + p0 * a.K, p.M, a.K, xb);
+    else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, xb);
     xsum.assign(panels * c * a.groups, 0.0f);  // padding rows: zeros
     for (int64_t m = 0; m < p.M; m++)
       for (int64_t g = 0; g < a.groups; g++) {
@@ -1048,8 +1056,6 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
         for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) s += a.xq[(p0 + m) * a.K + k];
         xsum[m * a.groups + g] = (float)s;
       }
-    const int8_t* xb = xbytes.data();  // this thread's buffers (a worker's would be its own)
-    const uint8_t* xl = xlow.data();
     const float* xs = xsum.data();
     if (in_pairs) {
       at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -1210,8 +1216,8 @@ void run_amx_i8_tall(const Lin& a, const E* x, float* xs) {  // x (M, K) fp32 or
     const int64_t rows = std::min<int64_t>(3 * PANEL_ROWS, a.M - p0);
     const int64_t panels = (rows + PANEL_ROWS - 1) / PANEL_ROWS;
     const int c = (int)((rows + panels - 1) / panels);  // 9 rows: panels of 5 and 4, not 7 and 2
-    panel_bytes_x(x + p0 * a.K, rows, c, a.K, xs + p0, xbytes);
-    const int8_t* xb = xbytes.data();  // this thread's buffer (a worker's would be its own)
+    int8_t* const xb = scratch64(xbytes, panels * (2 * c + 1) * a.K);  // this thread's (a worker's would be its own)
+    panel_bytes_x(x + p0 * a.K, rows, c, a.K, xs + p0, xb);
     int tile_rows[3];
     for (int pn = 0; pn < 3; pn++) tile_rows[pn] = 2 * (int)std::max<int64_t>(1, std::min<int64_t>(c, rows - pn * c)) + (pn == 0);
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
