@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -255,7 +256,8 @@ def test_cli_total_tokens_auto(tmp_path, capsys, hf_reference):
           "--total_tokens", "auto", "--depth", "2", "--draft_top_k", "2", "--dtype", "float32", "--no-compile",
           "--metrics-json", str(out)])
     err = capsys.readouterr().err
-    assert "--total_tokens auto: 4" in err  # depth 2, top-k 2 offer at most 6 nodes: 4 is the only size
+    # depth 2, top-k 2 offer at most 6 nodes: of the sizes tried, 3 and 4 fit, and the faster one on this machine wins
+    assert re.search(r"--total_tokens auto: [34] \(", err), err
     ref = hf_reference["greedy"]["results"][0]
     assert json.loads(out.read_text())["token_ids"] == ref["new_ids"][:ref["first_eos_index"] + 1]
 
