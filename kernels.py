@@ -751,11 +751,14 @@ inline void split_bytes(__m512i q16, int8_t* hi, int8_t* lo) {  // 32 16-bit int
   _mm256_storeu_si256((__m256i*)hi, _mm512_castsi512_si256(b));
   _mm256_storeu_si256((__m256i*)lo, _mm256_xor_si256(_mm512_extracti64x4_epi64(b, 1), _mm256_set1_epi8(-128)));
 }
+inline int64_t panel_rows(int64_t c, int64_t M, int64_t pn) {  // activation rows in panel pn of M rows in panels of c
+  return std::max<int64_t>(0, std::min(c, M - pn * c));
+}
 template <typename E>
 void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, int8_t* out) {  // out: (panels, 2c + 1, K)
   const int64_t rows = 2 * c + 1;  // the bytes the tiles read are written below
   for (int64_t m = 0; m < M; m++) {
-    const int64_t pn = m / c, cp = std::min(c, M - pn * c);  // cp: this panel's rows
+    const int64_t pn = m / c, cp = panel_rows(c, M, pn);
     int8_t* hi = out + (pn * rows + m % c) * K;
     int8_t* lo = hi + cp * K;
     __m512 inv;
@@ -766,7 +769,7 @@ void panel_bytes_x(const E* x, int64_t M, int64_t c, int64_t K, float* xs, int8_
     }
     for (int64_t k = 0; k < K; k += 32) split_bytes(q16x32(x + m * K + k, inv), hi + k, lo + k);
   }
-  std::memset(out + 2 * std::min(c, M) * K, 1, K);
+  std::memset(out + 2 * panel_rows(c, M, 0) * K, 1, K);
 }
 
 // the B tile of 32 columns kb of a block from its 512 bytes at p (two tiles' nibbles): the low nibbles for an even kb,
@@ -1191,7 +1194,7 @@ inline void amx_i8_tall_products(const Lin& a, const int8_t* xb, int c, int64_t 
 // the row of ones, each rounded once
 inline void amx_i8_tall_finish(const Lin& a, const int32_t (*sums)[16], const int32_t* ones_sums, int c, int64_t m0,
                                int pn, int64_t n0) {
-  const int64_t mp = std::min<int64_t>(c, a.M - m0 - pn * c);
+  const int64_t mp = panel_rows(c, a.M - m0, pn);
   __m512d ones[2];  // 128 w . 1, the block's for every row; each sum exact in double (below 2^53), in any order
   for (int h = 0; h < 2; h++)
     ones[h] = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(ones_sums + 8 * h))),
@@ -1218,8 +1221,8 @@ void run_amx_i8_tall(const Lin& a, const E* x, float* xs) {  // x (M, K) fp32 or
     const int c = (int)((rows + panels - 1) / panels);  // 9 rows: panels of 5 and 4, not 7 and 2
     int8_t* const xb = scratch64(xbytes, panels * (2 * c + 1) * a.K);  // this thread's (a worker's would be its own)
     panel_bytes_x(x + p0 * a.K, rows, c, a.K, xs + p0, xb);
-    int tile_rows[3];
-    for (int pn = 0; pn < 3; pn++) tile_rows[pn] = 2 * (int)std::max<int64_t>(1, std::min<int64_t>(c, rows - pn * c)) + (pn == 0);
+    int tile_rows[3];  // panel_bytes_x's: 2c' + 1 in the first panel, 2c' after it (unused panels: a valid 2)
+    for (int pn = 0; pn < 3; pn++) tile_rows[pn] = 2 * (int)std::max<int64_t>(1, panel_rows(c, rows, pn)) + (pn == 0);
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       configure_tiles_i8_tall(tile_rows);
       // one panel: a block's outputs are finished after the next block's products, when its tile store has reached
