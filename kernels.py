@@ -21,8 +21,8 @@ Rapids on), bf16 weights go through the tiles, which make 16 rows cost about wha
 own order, so there every bf16 linear takes them, whatever M is; the tiles and the BF16 dot products read
 subnormal bf16 inputs, below 1.2e-38, as zero, which no model's activations come near). On the AVX2 build int8 weights meet activations
 rounded to 16-bit integers (a scale per row: max |x| / 32767) in integer dot products, twice the multiply-adds an
-instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the
-text's noise of the float activations' 9.50-9.56); on AMX the same integers go through the int8 tiles, a high and
+instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the text's noise of the float
+activations' 9.50-9.56); the AVX-512-BF16 build without AMX likewise, by 512-bit vpdpwssd; on AMX the same integers go through the int8 tiles, a high and
 a low byte, against int8 and int4 weights that pack lays out as the tiles' B operand: int8 outputs are the exact
 integer dot products rounded to fp32 once, int4 ones exact integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
@@ -32,7 +32,7 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
 
     torch.ops.eagle_fast.linear(x, w, scales, offsets, bias, residual=None)
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
-        build and AMX's tall blocks round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2)
+        and AVX-512-BF16 builds and AMX's tall blocks round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2)
         with scales and offsets (N, K/G) (w = q * scale + offset; AMX's tall blocks: x rounded likewise); -> (M, N)
         in x's dtype, plus residual (M, N) in x's dtype if given (the sum rounded again, as eager adds)
     torch.ops.eagle_fast.attention(q, k, v, mask)
@@ -108,7 +108,7 @@ int detect_isa() {
   if (isa >= AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     isa = AVX512;
-  if (isa == AVX512 && __builtin_cpu_supports("avx512bf16")) isa = AVX512BF16;
+  if (isa == AVX512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) isa = AVX512BF16;
   if (isa == AVX512BF16 && amx_usable()) isa = AMX;
   const char* want = std::getenv("EAGLE_KERNELS");
   if (want && !std::strcmp(want, "avx512_bf16") && isa > AVX512BF16) isa = AVX512BF16;
@@ -375,6 +375,75 @@ struct Kernel512 {
     }
   }
 };
+
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
+// int8 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5): KernelI8's integer sums on 512-bit registers, the
+// activations rounded to 16-bit integers a row (quantize_rows16), the weights sign-extended once for all rows, one
+// vpdpwssd a 32 products; 32 registers hold 4 weight rows x up to 6 activation rows. Each lane goes to fp32 after
+// at most 4096 columns, the lanes to one sum by reduce4_512: the same for a row whatever M is
+struct KernelI8x512 {
+  static constexpr int64_t CHUNK = 128;  // 32-column steps summed as integers at a time (no overflow: as KernelI8)
+  // named accumulators, each product added by an asm (as KernelI8: in an array GCC copied them through the stack
+  // every step, 5 rows 1.3x KernelI8's time)
+#define I8X_MADD(acc, x, w) asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w))
+  template <int MB>
+  static inline void block(const Lin& a, int64_t m0, int64_t n0) {
+    alignas(64) float sum[MB][4][16];  // in memory: with the accumulators, 40 registers at 5 rows
+    const char* w0 = a.row(n0, 0);
+    const int16_t* x = a.xq + m0 * a.K;
+    const int64_t KB = a.K / 32, K = a.K;
+    for (int64_t c0 = 0; c0 < KB; c0 += CHUNK) {
+      const __m512i z = _mm512_setzero_si512();
+      __m512i a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z, a20 = z, a21 = z, a22 = z,
+              a23 = z, a30 = z, a31 = z, a32 = z, a33 = z, a40 = z, a41 = z, a42 = z, a43 = z, a50 = z, a51 = z,
+              a52 = z, a53 = z;
+      for (int64_t kb = c0; kb < std::min(KB, c0 + CHUNK); kb++) {
+        if (a.ahead_lines) prefetch_ahead(a, n0, kb);
+        const char* p = w0 + kb * 128;
+        const __m512i w0v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+        const __m512i w1v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(p + 32)));
+        const __m512i w2v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(p + 64)));
+        const __m512i w3v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(p + 96)));
+#define I8X_ROW(i)                                                                   \
+        if (MB > i) {                                                                \
+          __m512i xv = _mm512_load_si512(x + i * K + 32 * kb);                       \
+          asm("" : "+v"(xv));                                                        \
+          I8X_MADD(a##i##0, xv, w0v); I8X_MADD(a##i##1, xv, w1v);                    \
+          I8X_MADD(a##i##2, xv, w2v); I8X_MADD(a##i##3, xv, w3v);                    \
+        }
+        I8X_ROW(0) I8X_ROW(1) I8X_ROW(2) I8X_ROW(3) I8X_ROW(4) I8X_ROW(5)
+#undef I8X_ROW
+      }
+      const __m512i acc[6][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
+                                 {a30, a31, a32, a33}, {a40, a41, a42, a43}, {a50, a51, a52, a53}};
+      for (int i = 0; i < MB; i++)
+        for (int j = 0; j < 4; j++) {
+          const __m512 f = _mm512_cvtepi32_ps(acc[i][j]);
+          _mm512_store_ps(sum[i][j], c0 ? _mm512_add_ps(_mm512_load_ps(sum[i][j]), f) : f);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+      finish4(a, m0 + i, n0, reduce4_512(_mm512_load_ps(sum[i][0]), _mm512_load_ps(sum[i][1]),
+                                         _mm512_load_ps(sum[i][2]), _mm512_load_ps(sum[i][3])));
+  }
+#undef I8X_MADD
+  static constexpr int WIDE = 1;
+  static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
+    switch (mb) {
+      case 1: block<1>(a, m0, n0); break;
+      case 2: block<2>(a, m0, n0); break;
+      case 3: block<3>(a, m0, n0); break;
+      case 4: block<4>(a, m0, n0); break;
+      case 5: block<5>(a, m0, n0); break;
+      default: block<6>(a, m0, n0); break;
+    }
+  }
+};
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
 // int8 and int4 weights with BF16 dot products, more than one block of activation rows: the first block converts
 // the weights in registers as it streams them (as up to 6 rows do) and also stores them, converted, into a small
@@ -1673,6 +1742,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     a.scales = sc.data_ptr<float>();
   }
   const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall, amx_i4 = wt == W_I4 && tall;
+  // int8 on AVX-512-BF16 without AMX (Zen 4, Zen 5): integer dot products (KernelI8x512), as AVX2 and AMX do
+  const bool int8_vnni = wt == W_I8 && level == AVX512BF16;
   if (offsets) {
     // (N, groups), or for tall int4 blocks also (N / 16, groups, 16): each block's scales for a group side by side
     const bool tiled = sc.dim() == 3;
@@ -1715,7 +1786,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(!amx_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
   at::Tensor xb;
-  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8 && !amx_i4) {  // BF16 dot products
+  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8 && !amx_i4 && !int8_vnni) {  // BF16 dot products
     xb = x.contiguous();
     if (wt == W_I4) {  // x in the nibbles' order: each 32 columns as evens, then odds
       xb = xb.clone();
@@ -1744,7 +1815,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
-  if ((level < AVX512 && wt == W_I8) || amx_i8 || amx_i4) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
+  if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || amx_i4) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
     // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
@@ -1763,6 +1834,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
     a.xq = xq, a.xs = xs.data();
     if (amx_i4) run_amx_i4(a);
+    else if (level == AVX512BF16) run_linear<KernelI8x512>(a, 6);
     else if (level == AVX2VNNI) run_linear<KernelI8<true>>(a, KernelI8<true>::MAX_MB);
     else run_linear<KernelI8<false>>(a, KernelI8<false>::MAX_MB);
     return out;
@@ -2881,7 +2953,7 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
                      offsets: Tensor = None, residual: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 build, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row (round_rows16)."""
-    int16_rows = scales is not None and (offsets is None and isa().startswith("avx2") or packed.shape[2] == 16)
+    int16_rows = scales is not None and (offsets is None and isa() in ("avx2", "avx2_vnni", "avx512_bf16") or packed.shape[2] == 16)
     qmax = 32639 if offsets is not None else 32767  # int4 tiles: two signed bytes
     y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     y = (y if bias is None else y + bias.float()).to(x.dtype)

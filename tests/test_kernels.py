@@ -63,12 +63,14 @@ def test_linear_matches_reference_and_rows_are_independent(kind, N):
         torch.ops.eagle_fast.linear(x, packed, scales, offsets, bias, residual[:, :N - 4])
 
 
-def test_int8_on_avx2_matches_integer_sums_of_rows_rounded_to_16_bits():
-    """The AVX2 build multiplies int8 weights by x rounded to 16-bit integers a row (exact integer sums): its outputs
-    are those of round_rows16(x) to fp32's rounding, past 4096 columns (where the lanes go to fp32) and at the
-    largest products (no integer overflow), with a row of zeros and rows holding a NaN or an inf."""
-    if not kernels.isa().startswith("avx2"):
-        pytest.skip("the AVX2 build's int8 path (EAGLE_KERNELS=avx2 or avx2_vnni runs it on an AVX-512 machine)")
+def test_int8_on_avx2_and_avx512_bf16_matches_integer_sums_of_rows_rounded_to_16_bits():
+    """The AVX2 and AVX-512-BF16 builds (4-row blocks) multiply int8 weights by x rounded to 16-bit integers a row
+    (exact integer sums): their outputs are those of round_rows16(x) to fp32's rounding, past 4096 columns (where the
+    lanes go to fp32) and at the largest products (no integer overflow), with a row of zeros and rows holding a NaN
+    or an inf."""
+    if kernels.isa() not in ("avx2", "avx2_vnni", "avx512_bf16"):
+        pytest.skip("the AVX2 and AVX-512-BF16 builds' int8 path (EAGLE_KERNELS=avx2, avx2_vnni or avx512_bf16 "
+                    "runs it on an AMX machine)")
     g = torch.Generator().manual_seed(2)
     N, K = 8, 4096 + 512
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
