@@ -43,7 +43,7 @@ TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
 INT4_AMX_TREE = dict(TREE, total_tokens=3)
 # kernels.py builds where int8 weights (and an int8 head) decode fastest: integer dot products or the int8 tiles
-INT8_BUILDS = ("avx2", "avx2_vnni", "amx")
+INT8_BUILDS = ("avx2", "avx2_vnni", "avx512_bf16", "amx")
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
 
 
@@ -632,10 +632,11 @@ def load_drafter(args, model, checkpoint):
 def fastest_draft_quant(device) -> str | None:
     """--draft_quant auto: int8 heads where kernels.py's build is AVX2 only (a bf16 head there runs fp32
     multiply-adds on converted weights; an int8 one the integer kernel, half the bytes): on a Zen 3, int8.head8
-    target, `scripts/cycle_cost.py`: the draft 3.86 -> 1.83 ms, a cycle 1.60 -> 1.41 plain steps (on a Zen 4 with
-    bf16 dot products an int8 head was no faster: docs/performance.md), and on AMX CPUs (int8 through the int8 tiles
-    and vpdpwssd: the draft 2.04 -> 1.53 ms; MT-bench, int8.head8 target, EAGLE 196.2 against 189.1 tokens/s).
-    Elsewhere the head as saved."""
+    target, `scripts/cycle_cost.py`: the draft 3.86 -> 1.83 ms, a cycle 1.60 -> 1.41 plain steps; on AMX CPUs (int8
+    through the int8 tiles and vpdpwssd: the draft 2.04 -> 1.53 ms; MT-bench, int8.head8 target, EAGLE 196.2
+    against 189.1 tokens/s); and on AVX-512-BF16 CPUs without AMX, where int8 takes integer dot products since the
+    fifty-second session (a Zen 4, MT-bench, int8.head8 target: EAGLE 204.8 / 199.2 tokens/s with an int8 head
+    against 175.9 / ... with the bf16 one; docs/performance.md). Elsewhere the head as saved."""
     return "int8" if torch.device(device).type == "cpu" and kernels.isa() in INT8_BUILDS else None
 
 
@@ -682,9 +683,10 @@ def fastest_dtype(device) -> str:
 def fastest_quant(device) -> str | None:
     """--quant auto: int8 weights, LM head included, where kernels.py's build is AVX2 only (no bf16 arithmetic
     there, so bf16 weights buy nothing but bytes; on a Zen 3, MT-bench, plain int8 decoded 92.9 tokens/s against
-    67.3 in bf16, and the int8 LM head reads 17% fewer bytes again, perplexity unchanged; docs/performance.md) or
-    has AMX tiles (int8 through the int8 tiles: on a Xeon, MT-bench, plain 101.4 against 68.9 tokens/s in bf16,
-    EAGLE 161.2 against 127.2), the float weights elsewhere."""
+    67.3 in bf16, and the int8 LM head reads 17% fewer bytes again, perplexity unchanged; docs/performance.md), has
+    AMX tiles (int8 through the int8 tiles: on a Xeon, MT-bench, plain 101.4 against 68.9 tokens/s in bf16, EAGLE
+    161.2 against 127.2), or AVX-512-BF16 without them (int8 by integer dot products: on a Zen 4, MT-bench, plain
+    126.6 against 85.0, EAGLE 182.8 against 141.5 with a bf16 head); the float weights elsewhere."""
     return "int8.head8" if torch.device(device).type == "cpu" and kernels.isa() in INT8_BUILDS else None
 
 

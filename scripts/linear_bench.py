@@ -1,10 +1,12 @@
 """Time kernels.py's linear op alone on one layer of the default model's shapes (wqkv 960 x 576, wo 576 x 576,
 w1 and w3 1536 x 576, w2 576 x 1536), random weights, times 30 layers.
 
-    python scripts/linear_bench.py [--weights int4|int8|bfloat16] [--rows 1 5 9] [--fuse_gate_up]
+    python scripts/linear_bench.py [--weights int4|int8|bfloat16] [--rows 1 5 9] [--fuse_gate_up] [--stream]
 
 --fuse_gate_up: w1 and w3 as one 3072 x 576 weight, one call instead of two (what fusing them would save).
-Prints the median of 7 rounds of 100 layers, in ms for 30 layers.
+Prints the median of 7 rounds of 100 layers, in ms for 30 layers: one layer's weights, so they stay in the caches
+(the kernels' arithmetic). --stream: 30 layers' own weights (w1 and w3 fused) and the 49152 x 576 LM head, as a
+forward reads them from memory; the median of 15 passes, in ms a forward.
 """
 import argparse
 import sys
@@ -35,12 +37,15 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
     p.add_argument("--fuse_gate_up", action="store_true")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--stream", action="store_true", help="30 layers' own weights and the LM head (from memory)")
     args = p.parse_args()
     if not kernels.load():
         sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    shapes = [(960, 576), (576, 576)] + ([(3072, 576)] if args.fuse_gate_up else [(1536, 576)] * 2) + [(576, 1536)]
+    shapes = [(960, 576), (576, 576)] + ([(3072, 576)] if args.fuse_gate_up or args.stream else [(1536, 576)] * 2) + [(576, 1536)]
+    if args.stream:
+        shapes = shapes * 30 + [(49152, 576)]
     layer = [(weight(args.weights, N, K), K) for N, K in shapes]
     out = []
     for M in args.rows:
@@ -49,17 +54,25 @@ def main():
         def run():
             for ((w, sc, of), _), x in zip(layer, xs):
                 kernels.linear(x, w, None, sc, of)
-        for _ in range(20):
+        for _ in range(3 if args.stream else 20):
             run()
         rounds = []
+        if args.stream:
+            for _ in range(15):
+                t0 = time.perf_counter()
+                run()
+                rounds.append((time.perf_counter() - t0) * 1e3)
+            out.append(f"M={M} {sorted(rounds)[7]:.2f} ms")
+            continue
         for _ in range(7):
             t0 = time.perf_counter()
             for _ in range(100):
                 run()
             rounds.append((time.perf_counter() - t0) / 100 * 30 * 1e3)
         out.append(f"M={M} {sorted(rounds)[3]:.2f} ms")
-    print(f"{kernels.isa()}, {args.threads} threads, {args.weights}{', w1+w3 fused' if args.fuse_gate_up else ''}, "
-          "30 layers: " + ", ".join(out))
+    what = ("30 layers' own weights + LM head, a forward" if args.stream
+            else f"{'w1+w3 fused, ' if args.fuse_gate_up else ''}30 layers")
+    print(f"{kernels.isa()}, {args.threads} threads, {args.weights}, {what}: " + ", ".join(out))
 
 
 if __name__ == "__main__":

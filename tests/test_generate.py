@@ -302,7 +302,9 @@ def test_defaults_pick_the_fastest_exact_configuration():
 @pytest.mark.parametrize("isa, argv, dtype, quant", [
     ("avx2", [], "bfloat16", "int8.head8"),  # no bf16 arithmetic: int8 weights (LM head too) decode fastest
     ("avx2_vnni", [], "bfloat16", "int8.head8"),
-    ("avx512_bf16", [], "bfloat16", None), ("amx", [], "bfloat16", "int8.head8"),  # AMX: int8 through the int8 tiles
+    ("avx512_bf16", [], "bfloat16", "int8.head8"),  # Zen 4 / Zen 5: int8 by integer dot products (vpdpwssd)
+    ("amx", [], "bfloat16", "int8.head8"),  # AMX: int8 through the int8 tiles
+    ("avx512", [], "bfloat16", None),  # AVX-512 without bf16 or VNNI: int8 converted to fp32, the float weights
     ("avx2", ["--dtype", "float32"], "float32", None),  # a dtype asked for: its float weights
     ("avx2", ["--quant", "none"], "bfloat16", None), ("avx512_bf16", ["--quant", "int4.g32"], "bfloat16", "int4.g32"),
 ])
@@ -315,10 +317,10 @@ def test_default_weights_follow_the_cpu(monkeypatch, isa, argv, dtype, quant):
 
 
 @pytest.mark.parametrize("isa, given, kind", [
-    ("avx2", "auto", "int8"), ("avx2_vnni", "auto", "int8"), ("amx", "auto", "int8"), ("avx512_bf16", "auto", "float"), ("avx2", "none", "float"),
+    ("avx2", "auto", "int8"), ("avx2_vnni", "auto", "int8"), ("amx", "auto", "int8"), ("avx512_bf16", "auto", "int8"), ("avx512", "auto", "float"), ("avx2", "none", "float"),
     ("avx512_bf16", "int8", "int8"), ("avx2", "int4.g32", "int4")])
 def test_default_head_weights_follow_the_cpu(tmp_path, monkeypatch, isa, given, kind):
-    """--draft_quant auto: an int8 head where kernels.py's build is AVX2 only, quantized at load (nothing written
+    """--draft_quant auto: an int8 head where kernels.py's build takes int8 by integer dot products or tiles (INT8_BUILDS), quantized at load (nothing written
     beside the head); the head as saved elsewhere, or with none; a head file given loads as it is."""
     import kernels
     import quantize as Q
