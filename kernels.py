@@ -261,6 +261,19 @@ void run_linear(const Lin& a, int max_mb) {
   }
 }
 
+// 1-6 activation rows against a block of 4 weight rows in one pass (the AVX-512 kernels' rows())
+template <class Kernel>
+inline void one_block(const Lin& a, int64_t m0, int mb, int64_t n0) {
+  switch (mb) {
+    case 1: Kernel::template block<1>(a, m0, n0); break;
+    case 2: Kernel::template block<2>(a, m0, n0); break;
+    case 3: Kernel::template block<3>(a, m0, n0); break;
+    case 4: Kernel::template block<4>(a, m0, n0); break;
+    case 5: Kernel::template block<5>(a, m0, n0); break;
+    default: Kernel::template block<6>(a, m0, n0); break;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ AVX-512
 // four vectors summed lane-wise into four floats, each by the same tree of shuffles (the linears' four columns,
 // attention's four slots); plain AVX-512, so both the BF16 and the plain AVX-512 code inline it
@@ -365,14 +378,7 @@ struct Kernel512 {
   static constexpr int WIDE = 2;
   static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
     if (nb == 2) return block<1, 2>(a, m0, n0);  // one activation row: 8 weight rows
-    switch (mb) {
-      case 1: block<1>(a, m0, n0); break;
-      case 2: block<2>(a, m0, n0); break;
-      case 3: block<3>(a, m0, n0); break;
-      case 4: block<4>(a, m0, n0); break;
-      case 5: block<5>(a, m0, n0); break;
-      default: block<6>(a, m0, n0); break;
-    }
+    one_block<Kernel512>(a, m0, mb, n0);
   }
 };
 
@@ -431,14 +437,7 @@ struct KernelI8x512 {
 #undef I8X_MADD
   static constexpr int WIDE = 1;
   static void rows(const Lin& a, int64_t m0, int mb, int64_t n0, int nb) {
-    switch (mb) {
-      case 1: block<1>(a, m0, n0); break;
-      case 2: block<2>(a, m0, n0); break;
-      case 3: block<3>(a, m0, n0); break;
-      case 4: block<4>(a, m0, n0); break;
-      case 5: block<5>(a, m0, n0); break;
-      default: block<6>(a, m0, n0); break;
-    }
+    one_block<KernelI8x512>(a, m0, mb, n0);
   }
 };
 #pragma GCC pop_options
