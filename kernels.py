@@ -21,9 +21,9 @@ Rapids on), bf16 weights go through the tiles, which make 16 rows cost about wha
 own order, so there every bf16 linear takes them, whatever M is; the tiles and the BF16 dot products read
 subnormal bf16 inputs, below 1.2e-38, as zero, which no model's activations come near). On the AVX2 build int8 weights meet activations
 rounded to 16-bit integers (a scale per row: max |x| / 32767) in integer dot products, twice the multiply-adds an
-instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the text's noise of the float
-activations' 9.50-9.56); the AVX-512-BF16 build without AMX likewise, by 512-bit vpdpwssd; on AMX the same integers go through the int8 tiles, a high and
-a low byte, against int8 and int4 weights that pack lays out as the tiles' B operand: int8 outputs are the exact
+instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the
+text's noise of the float activations' 9.50-9.56); the AVX-512-BF16 build without AMX likewise, by 512-bit
+vpdpwssd; on AMX the same integers go through the int8 tiles, a high and a low byte, against int8 and int4 weights that pack lays out as the tiles' B operand: int8 outputs are the exact
 integer dot products rounded to fp32 once, int4 ones exact integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
@@ -1814,7 +1814,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
-  if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || amx_i4) {  // integer dot products (KernelI8, AMX tiles), x rounded straight
+  if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || amx_i4) {  // integer dot products (KernelI8, KernelI8x512, AMX tiles), x rounded straight
     // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
@@ -2951,7 +2951,8 @@ def rows16(x: Tensor, qmax: int = 32767) -> tuple[Tensor, Tensor]:
 def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
                      offsets: Tensor = None, residual: Tensor = None) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
-    AVX2 build, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row (round_rows16)."""
+    AVX2 and AVX-512-BF16 builds, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row
+    (round_rows16)."""
     int16_rows = scales is not None and (offsets is None and isa() in ("avx2", "avx2_vnni", "avx512_bf16") or packed.shape[2] == 16)
     qmax = 32639 if offsets is not None else 32767  # int4 tiles: two signed bytes
     y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
