@@ -635,8 +635,8 @@ def fastest_draft_quant(device) -> str | None:
     target, `scripts/cycle_cost.py`: the draft 3.86 -> 1.83 ms, a cycle 1.60 -> 1.41 plain steps; on AMX CPUs (int8
     through the int8 tiles and vpdpwssd: the draft 2.04 -> 1.53 ms; MT-bench, int8.head8 target, EAGLE 196.2
     against 189.1 tokens/s); and on AVX-512-BF16 CPUs without AMX, where int8 takes integer dot products since the
-    fifty-second session (a Zen 4, MT-bench, int8.head8 target: EAGLE 204.8 / 199.2 tokens/s with an int8 head
-    against 175.9 / ... with the bf16 one; docs/performance.md). Elsewhere the head as saved."""
+    fifty-second session (a Zen 4, int8.head8 target, `scripts/cycle_cost.py`: the draft 1.91-2.00 -> 0.89-0.94
+    ms; docs/performance.md). Elsewhere the head as saved."""
     return "int8" if torch.device(device).type == "cpu" and kernels.isa() in INT8_BUILDS else None
 
 

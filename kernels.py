@@ -2630,6 +2630,8 @@ TORCH_LIBRARY_IMPL(eagle_fast, CPU, m) {
 """
 
 ISA_NAMES = {1: "avx2", 2: "avx2_vnni", 3: "avx512", 4: "avx512_bf16", 5: "amx"}
+# builds whose int8 linears in 4-row blocks multiply x rounded to 16-bit integers a row (KernelI8, KernelI8x512)
+INT16_ROW_BUILDS = ("avx2", "avx2_vnni", "avx512_bf16")
 _state = {"loaded": None, "why": None, "isa": 0, "shims": False}
 
 
@@ -2953,7 +2955,7 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 and AVX-512-BF16 builds, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row
     (round_rows16)."""
-    int16_rows = scales is not None and (offsets is None and isa() in ("avx2", "avx2_vnni", "avx512_bf16") or packed.shape[2] == 16)
+    int16_rows = scales is not None and (offsets is None and isa() in INT16_ROW_BUILDS or packed.shape[2] == 16)
     qmax = 32639 if offsets is not None else 32767  # int4 tiles: two signed bytes
     y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     y = (y if bias is None else y + bias.float()).to(x.dtype)

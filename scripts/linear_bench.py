@@ -43,7 +43,8 @@ def main():
         sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    shapes = [(960, 576), (576, 576)] + ([(3072, 576)] if args.fuse_gate_up or args.stream else [(1536, 576)] * 2) + [(576, 1536)]
+    fused = args.fuse_gate_up or args.stream
+    shapes = [(960, 576), (576, 576)] + ([(3072, 576)] if fused else [(1536, 576)] * 2) + [(576, 1536)]
     if args.stream:
         shapes = shapes * 30 + [(49152, 576)]
     layer = [(weight(args.weights, N, K), K) for N, K in shapes]

@@ -320,8 +320,8 @@ def test_default_weights_follow_the_cpu(monkeypatch, isa, argv, dtype, quant):
     ("avx2", "auto", "int8"), ("avx2_vnni", "auto", "int8"), ("amx", "auto", "int8"), ("avx512_bf16", "auto", "int8"), ("avx512", "auto", "float"), ("avx2", "none", "float"),
     ("avx512_bf16", "int8", "int8"), ("avx2", "int4.g32", "int4")])
 def test_default_head_weights_follow_the_cpu(tmp_path, monkeypatch, isa, given, kind):
-    """--draft_quant auto: an int8 head where kernels.py's build takes int8 by integer dot products or tiles (INT8_BUILDS), quantized at load (nothing written
-    beside the head); the head as saved elsewhere, or with none; a head file given loads as it is."""
+    """--draft_quant auto: an int8 head where kernels.py's build takes int8 by integer dot products or tiles
+    (INT8_BUILDS), quantized at load (nothing written beside the head); the head as saved elsewhere, or with none; a head file given loads as it is."""
     import kernels
     import quantize as Q
     from eagle_head import random_head, save_head, target_info

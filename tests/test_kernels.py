@@ -68,7 +68,7 @@ def test_int8_on_avx2_and_avx512_bf16_matches_integer_sums_of_rows_rounded_to_16
     (exact integer sums): their outputs are those of round_rows16(x) to fp32's rounding, past 4096 columns (where the
     lanes go to fp32) and at the largest products (no integer overflow), with a row of zeros and rows holding a NaN
     or an inf."""
-    if kernels.isa() not in ("avx2", "avx2_vnni", "avx512_bf16"):
+    if kernels.isa() not in kernels.INT16_ROW_BUILDS:
         pytest.skip("the AVX2 and AVX-512-BF16 builds' int8 path (EAGLE_KERNELS=avx2, avx2_vnni or avx512_bf16 "
                     "runs it on an AMX machine)")
     g = torch.Generator().manual_seed(2)
