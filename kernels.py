@@ -287,6 +287,72 @@ inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
   s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0xB1));
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
 }
+
+// reduce4_512 for 4 activation rows at once: row r's 4 sums in quarter r, each by reduce4_512's adds in its order
+// (its last two levels, within a 128-bit quarter, here across rows by a 4 x 4 transpose), so the same bits
+inline __m512 reduce16_512(const __m512 (&v)[4][4]) {
+  __m512 s[4];
+  for (int r = 0; r < 4; r++) {  // quarter j: the 4 partial sums of output j
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[r][0], v[r][1], 0x44), _mm512_shuffle_f32x4(v[r][0], v[r][1], 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[r][2], v[r][3], 0x44), _mm512_shuffle_f32x4(v[r][2], v[r][3], 0xEE));
+    s[r] = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  }
+  const __m512 t0 = _mm512_unpacklo_ps(s[0], s[1]), t1 = _mm512_unpackhi_ps(s[0], s[1]);
+  const __m512 t2 = _mm512_unpacklo_ps(s[2], s[3]), t3 = _mm512_unpackhi_ps(s[2], s[3]);
+  const __m512 p0 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));  // partial 0
+  const __m512 p1 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+  const __m512 p2 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+  const __m512 p3 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(p0, p2), _mm512_add_ps(p1, p3));  // (output j, row r) in lane 4j + r
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), sum);
+}
+
+// finish4 for rows m..m+3 (quarter r: row m + r's columns n..n+3): the same operations on each value in the same
+// order, the same rounding to bf16 (the signed pack works within quarters, as SSE's does), so the same bits
+inline void finish4x4(const Lin& a, int64_t m, int64_t n, __m512 v) {
+  if (a.xs) v = _mm512_mul_ps(v, _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                                       _mm512_castps128_ps512(_mm_loadu_ps(a.xs + m))));
+  if (a.scales && !a.offsets) v = _mm512_mul_ps(v, _mm512_broadcast_f32x4(_mm_loadu_ps(a.scales + n)));
+  if (a.bias) v = _mm512_add_ps(v, _mm512_broadcast_f32x4(_mm_loadu_ps(a.bias + n)));
+  if (a.out_bf16) {
+    auto round = [](__m512 f) {  // to_bf16x4 in each quarter
+      const __m512i u = _mm512_castps_si512(f);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+      r = _mm512_srai_epi32(_mm512_slli_epi32(r, 16), 16);
+      return _mm512_packs_epi32(r, r);
+    };
+    __m512i r = round(v);
+    uint16_t* out = (uint16_t*)a.out + m * a.N + n;
+    if (a.res) {
+      const uint16_t* res = (const uint16_t*)a.res + m * a.N + n;
+      __m512i rv = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)res));
+      for (int q = 1; q < 4; q++) rv = _mm512_inserti32x4(rv, _mm_loadl_epi64((const __m128i*)(res + q * a.N)), q);
+      const __m512i z = _mm512_setzero_si512();
+      r = round(_mm512_add_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, rv)),
+                              _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, r))));
+    }
+    _mm_storel_epi64((__m128i*)out, _mm512_castsi512_si128(r));
+    _mm_storel_epi64((__m128i*)(out + a.N), _mm512_extracti32x4_epi32(r, 1));
+    _mm_storel_epi64((__m128i*)(out + 2 * a.N), _mm512_extracti32x4_epi32(r, 2));
+    _mm_storel_epi64((__m128i*)(out + 3 * a.N), _mm512_extracti32x4_epi32(r, 3));
+  } else {
+    float* out = (float*)a.out + m * a.N + n;
+    if (a.res) {
+      const float* res = (const float*)a.res + m * a.N + n;
+      __m512 rv = _mm512_castps128_ps512(_mm_loadu_ps(res));
+      rv = _mm512_insertf32x4(rv, _mm_loadu_ps(res + a.N), 1);
+      rv = _mm512_insertf32x4(rv, _mm_loadu_ps(res + 2 * a.N), 2);
+      rv = _mm512_insertf32x4(rv, _mm_loadu_ps(res + 3 * a.N), 3);
+      v = _mm512_add_ps(rv, v);
+    }
+    _mm_storeu_ps(out, _mm512_castps512_ps128(v));
+    _mm_storeu_ps(out + a.N, _mm512_extractf32x4_ps(v, 1));
+    _mm_storeu_ps(out + 2 * a.N, _mm512_extractf32x4_ps(v, 2));
+    _mm_storeu_ps(out + 3 * a.N, _mm512_extractf32x4_ps(v, 3));
+  }
+}
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -371,7 +437,14 @@ struct Kernel512 {
         for (int j = 0; j < 4 * NB; j++) acc[i][j] = Step::madd(acc[i][j], x, w[j]);
       }
     }
-    for (int i = 0; i < MB; i++)
+    int i = 0;
+    if constexpr (MB >= 4 && NB == 1) {  // rows 0-3 reduced and finished together
+      const __m512 f[4][4] = {{acc[0][0], acc[0][1], acc[0][2], acc[0][3]}, {acc[1][0], acc[1][1], acc[1][2], acc[1][3]},
+                              {acc[2][0], acc[2][1], acc[2][2], acc[2][3]}, {acc[3][0], acc[3][1], acc[3][2], acc[3][3]}};
+      finish4x4(a, m0, n0, reduce16_512(f));
+      i = 4;
+    }
+    for (; i < MB; i++)
       for (int b = 0; b < NB; b++)
         finish4(a, m0 + i, n0 + 4 * b, reduce4_512(acc[i][4 * b], acc[i][4 * b + 1], acc[i][4 * b + 2], acc[i][4 * b + 3]));
   }
@@ -424,6 +497,16 @@ struct KernelI8x512 {
       }
       const __m512i acc[6][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
                                  {a30, a31, a32, a33}, {a40, a41, a42, a43}, {a50, a51, a52, a53}};
+      if (MB >= 4 && KB <= CHUNK) {  // one chunk (K <= 4096): rows 0-3 reduced and finished together from registers
+        __m512 f[4][4];
+        for (int i = 0; i < 4; i++)
+          for (int j = 0; j < 4; j++) f[i][j] = _mm512_cvtepi32_ps(acc[i][j]);
+        finish4x4(a, m0, n0, reduce16_512(f));
+        for (int i = 4; i < MB; i++)
+          finish4(a, m0 + i, n0, reduce4_512(_mm512_cvtepi32_ps(acc[i][0]), _mm512_cvtepi32_ps(acc[i][1]),
+                                             _mm512_cvtepi32_ps(acc[i][2]), _mm512_cvtepi32_ps(acc[i][3])));
+        return;
+      }
       for (int i = 0; i < MB; i++)
         for (int j = 0; j < 4; j++) {
           const __m512 f = _mm512_cvtepi32_ps(acc[i][j]);
