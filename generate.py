@@ -38,10 +38,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # int4 on AMX takes 3 nodes: its tiles put two weight groups in one product up to 4 rows, so 1 + 3 tokens verify
 # at ~1.25x the linears' one-token time and 1 + 4 at ~1.5x; on MT-bench 1.35-1.37x plain against 1.25-1.28x.
 # int4i (int8 arithmetic, no groups in the tiles) keeps 4 nodes: MT-bench 1.44-1.46x plain; 3 nodes 1.43x, 6 1.36x.
+# int8 on AVX-512-BF16 without AMX (a Zen 4: each extra row of the 512-bit integer dot products costs ~0.7 ms a
+# cycle) takes 3 nodes too: MT-bench, interleaved, 3 nodes against 4 +2.5 to +4.4% tokens/s (docs/performance.md).
 # default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
-INT4_AMX_TREE = dict(TREE, total_tokens=3)
+SMALL_TREE = dict(TREE, total_tokens=3)
 # kernels.py builds where int8 weights (and an int8 head) decode fastest: integer dot products or the int8 tiles
 INT8_BUILDS = ("avx2", "avx2_vnni", "avx512_bf16", "amx")
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
@@ -408,7 +410,7 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
     return tokens, stats
 
 
-AUTO_SIZES = (3, 4, 8, 12, 16, 24, 32)  # 3: int4's default on AMX (default_tree)
+AUTO_SIZES = (3, 4, 8, 12, 16, 24, 32)  # 3: SMALL_TREE's (default_tree)
 
 
 def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, new_tokens=32, rounds=2):
@@ -541,13 +543,14 @@ def build_parser():
                         "'none' for plain decoding (default: the shipped head for the default model, if present)")
     p.add_argument("--draft_quant", default="auto",
                    help="the head's weights: int8 or int4.g32 (quantize.py --draft's file, or quantized at load), "
-                        "none: as saved; auto: int8 on CPUs whose kernels.py build is AVX2 only or has AMX tiles, "
-                        "else as saved")
+                        "none: as saved; auto: int8 where kernels.py's build runs int8 weights fastest (AVX2, "
+                        "AVX-512-BF16, AMX), else as saved")
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
 
     def sizes(key):
-        int4 = f", {INT4_AMX_TREE[key]} for int4 weights on AMX CPUs" if INT4_AMX_TREE[key] != TREE[key] else ""
-        return f"(default: {WIDE_TREE[key]} for bf16 weights on AMX CPUs and on CUDA{int4}, else {TREE[key]})"
+        small = (f", {SMALL_TREE[key]} for int4 weights on AMX CPUs and int8 ones on AVX-512-BF16 CPUs without AMX"
+                 if SMALL_TREE[key] != TREE[key] else "")
+        return f"(default: {WIDE_TREE[key]} for bf16 weights on AMX CPUs and on CUDA{small}, else {TREE[key]})"
     p.add_argument("--depth", type=int, default=None, help=f"dynamic tree: draft depth {sizes('depth')}")
     p.add_argument("--draft_top_k", type=int, default=None,
                    help=f"dynamic tree: nodes expanded per depth {sizes('top_k')}")
@@ -717,8 +720,9 @@ def default_tree(device, weights) -> dict:
     """The draft tree sizes that decode fastest for these weights ("bfloat16", "int4.g32", ...) here (TREE's note)."""
     if torch.device(device).type == "cuda" or (weights == "bfloat16" and kernels.isa() == "amx"):
         return WIDE_TREE
-    if weights.startswith("int4.") and kernels.isa() == "amx":
-        return INT4_AMX_TREE
+    if (weights.startswith("int4.") and kernels.isa() == "amx") or (
+            weights.startswith("int8") and kernels.isa() == "avx512_bf16"):
+        return SMALL_TREE
     return TREE
 
 
