@@ -293,8 +293,10 @@ inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
 inline __m512 reduce16_512(const __m512 (&v)[4][4]) {
   __m512 s[4];
   for (int r = 0; r < 4; r++) {  // quarter j: the 4 partial sums of output j
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[r][0], v[r][1], 0x44), _mm512_shuffle_f32x4(v[r][0], v[r][1], 0xEE));
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[r][2], v[r][3], 0x44), _mm512_shuffle_f32x4(v[r][2], v[r][3], 0xEE));
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[r][0], v[r][1], 0x44),
+                                    _mm512_shuffle_f32x4(v[r][0], v[r][1], 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[r][2], v[r][3], 0x44),
+                                    _mm512_shuffle_f32x4(v[r][2], v[r][3], 0xEE));
     s[r] = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
   }
   const __m512 t0 = _mm512_unpacklo_ps(s[0], s[1]), t1 = _mm512_unpackhi_ps(s[0], s[1]);
@@ -439,8 +441,10 @@ struct Kernel512 {
     }
     int i = 0;
     if constexpr (MB >= 4 && NB == 1) {  // rows 0-3 reduced and finished together
-      const __m512 f[4][4] = {{acc[0][0], acc[0][1], acc[0][2], acc[0][3]}, {acc[1][0], acc[1][1], acc[1][2], acc[1][3]},
-                              {acc[2][0], acc[2][1], acc[2][2], acc[2][3]}, {acc[3][0], acc[3][1], acc[3][2], acc[3][3]}};
+      const __m512 f[4][4] = {{acc[0][0], acc[0][1], acc[0][2], acc[0][3]},
+                              {acc[1][0], acc[1][1], acc[1][2], acc[1][3]},
+                              {acc[2][0], acc[2][1], acc[2][2], acc[2][3]},
+                              {acc[3][0], acc[3][1], acc[3][2], acc[3][3]}};
       finish4x4(a, m0, n0, reduce16_512(f));
       i = 4;
     }
