@@ -22,9 +22,11 @@ own order, so there every bf16 linear takes them, whatever M is; the tiles and t
 subnormal bf16 inputs, below 1.2e-38, as zero, which no model's activations come near). On the AVX2 build int8 weights meet activations
 rounded to 16-bit integers (a scale per row: max |x| / 32767) in integer dot products, twice the multiply-adds an
 instruction of fp32 FMAs there, summed exactly (perplexity on the default model 9.55, bf16 9.51, within the
-text's noise of the float activations' 9.50-9.56); the AVX-512-BF16 build without AMX likewise, by 512-bit
-vpdpwssd; on AMX the same integers go through the int8 tiles, a high and a low byte, against int8 and int4 weights that pack lays out as the tiles' B operand: int8 outputs are the exact
-integer dot products rounded to fp32 once, int4 ones exact integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
+text's noise of the float activations' 9.50-9.56); the AVX-512-BF16 build without AMX likewise (within +-32639,
+two signed bytes a value), by vpdpbusd on weights that pack lays out 16 rows to a register, each byte + 128; on AMX
+the same integers go through the int8 tiles, a high and a low byte, against int8 and int4 weights that pack lays out
+as the tiles' B operand: int8 outputs are the exact integer dot products rounded to fp32 once, int4 ones exact
+integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
@@ -32,7 +34,8 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
 
     torch.ops.eagle_fast.linear(x, w, scales, offsets, bias, residual=None)
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
-        and AVX-512-BF16 builds and AMX's tall blocks round x to 16 bits a row for these: round_rows16), or uint8 int4 nibbles (N, K/2)
+        and AVX-512-BF16 builds and AMX's tall blocks round x to 16 bits a row for these: round_rows16; pack's
+        int8 lines for AVX-512-BF16 are uint8 q + 128), or uint8 int4 nibbles (N, K/2)
         with scales and offsets (N, K/G) (w = q * scale + offset; AMX's tall blocks: x rounded likewise); -> (M, N)
         in x's dtype, plus residual (M, N) in x's dtype if given (the sum rounded again, as eager adds)
     torch.ops.eagle_fast.attention(q, k, v, mask)
@@ -357,6 +360,36 @@ inline void finish4x4(const Lin& a, int64_t m, int64_t n, __m512 v) {
 }
 #pragma GCC pop_options
 
+// plain AVX-512 (no FMA, no BF16): both the AMX code and KernelI8v16 inline it
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+// finish4 for 16 columns n..n+15 at once (the int8 and int4 tiles' outputs): the same operations on each value, in
+// the same order, and the same rounding to bf16 (vpmovdw keeps the 16 bits finish4's signed pack keeps), so the same
+// bits; a quarter of the instructions, which at 5 rows were ~70 a row and block of 16 weight rows
+inline void finish16(const Lin& a, int64_t m, int64_t n, __m512 v) {
+  if (a.xs) v = _mm512_mul_ps(v, _mm512_set1_ps(a.xs[m]));
+  if (a.scales && !a.offsets) v = _mm512_mul_ps(v, _mm512_loadu_ps(a.scales + n));
+  if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + n));
+  if (a.out_bf16) {
+    auto round = [](__m512 f) {  // each lane's bf16 bits in its low 16, as to_bf16x4
+      const __m512i u = _mm512_castps_si512(f);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    };
+    __m512i r = round(v);
+    if (a.res) {  // as finish4
+      const __m512i res = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)a.res + m * a.N + n)));
+      r = round(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(res, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(r, 16))));
+    }
+    _mm256_storeu_si256((__m256i*)((uint16_t*)a.out + m * a.N + n), _mm512_cvtepi32_epi16(r));
+  } else {
+    if (a.res) v = _mm512_add_ps(_mm512_loadu_ps((const float*)a.res + m * a.N + n), v);
+    _mm512_storeu_ps((float*)a.out + m * a.N + n, v);
+  }
+}
+#pragma GCC pop_options
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
@@ -527,6 +560,111 @@ struct KernelI8x512 {
     one_block<KernelI8x512>(a, m0, mb, n0);
   }
 };
+
+// int8 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5), in 16-row blocks (pack: the AMX tiles' byte order, 64
+// bytes = 4 columns of 16 weight rows, each byte + 128, uint8): 16 output columns in a register, no horizontal sums.
+// The activations are rounded to 16-bit integers a row (quantize_rows16, qmax 32639) and split into two signed
+// bytes, x = 256 hi + lo (hi = (x + 128) >> 8); one vpdpbusd multiplies 4 columns of the 16 weight rows by 4 bytes
+// of a row, broadcast from memory (i8v16_words' layout), so a 64-byte weight line costs 2 instructions a row and no
+// conversion, where KernelI8x512 sign-extends 2 x 32 weights and spends 2 vpdpwssd a row. Each (row, block) sums
+// the high and the low bytes' products as int32, H and L, exact for K <= 65536; they start at -128 x the row's sum
+// of high (low) bytes, which takes the weights' +128 back out; the output is fl(fl(H) * 256 + fl(L)), then
+// finish16. One lane per output, in the same order whatever M is. (In cache, one thread, 768 x 576 at 5 rows: 19.4
+// against 22.7 us for KernelI8x512's loop, the vpdpbusd at 3.56 G/s of a 3.65 peak; docs/performance.md.)
+struct KernelI8v16 {
+#define V16_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (M, K/4, 2) words, corr: (M, 2)
+  // the sums' starting values
+  template <int MB>
+  static void block(const Lin& a, const int32_t* xw, const int32_t* corr, int64_t m0, int64_t n0) {
+    const int64_t G = a.K / 4;
+    const char* w = a.w + n0 * a.K;  // block n0 / 16: 16 K bytes
+    const int32_t* x = xw + m0 * 2 * G;
+    __m512i h0, l0, h1, l1, h2, l2, h3, l3, h4, l4, h5, l5;
+#define V16_INIT(i) \
+    if (MB > i) h##i = _mm512_set1_epi32(corr[2 * (m0 + i)]), l##i = _mm512_set1_epi32(corr[2 * (m0 + i) + 1]);
+    V16_INIT(0) V16_INIT(1) V16_INIT(2) V16_INIT(3) V16_INIT(4) V16_INIT(5)
+#undef V16_INIT
+    // the stream 16 KB ahead into L2, at every M (the Zen 4 too, unlike run_linear: here one row ran 2% faster so)
+    if (MB == 1) {  // two chains of sums (even and odd g), added at the end (integers: the same sums); one chain
+      h1 = l1 = _mm512_setzero_si512();  // waited on the vpdpbusd's latency (a forward's linears in L3: 1.2x the time)
+      for (int64_t g = 0; g < G; g += 2) {  // G = K / 4: even
+        _mm_prefetch(w + 64 * g + PREFETCH_AHEAD, _MM_HINT_T1);
+        const __m512i wa = _mm512_load_si512(w + 64 * g), wb = _mm512_load_si512(w + 64 * g + 64);
+        V16_MADD(h0, wa, x[2 * g]); V16_MADD(l0, wa, x[2 * g + 1]);
+        V16_MADD(h1, wb, x[2 * g + 2]); V16_MADD(l1, wb, x[2 * g + 3]);
+      }
+      h0 = _mm512_add_epi32(h0, h1), l0 = _mm512_add_epi32(l0, l1);
+    } else {
+      for (int64_t g = 0; g < G; g++) {
+        _mm_prefetch(w + 64 * g + PREFETCH_AHEAD, _MM_HINT_T1);
+        const __m512i wv = _mm512_load_si512(w + 64 * g);
+#define V16_ROW(i) \
+        if (MB > i) { V16_MADD(h##i, wv, x[i * 2 * G + 2 * g]); V16_MADD(l##i, wv, x[i * 2 * G + 2 * g + 1]); }
+        V16_ROW(0) V16_ROW(1) V16_ROW(2) V16_ROW(3) V16_ROW(4) V16_ROW(5)
+#undef V16_ROW
+      }
+    }
+    const __m512 s256 = _mm512_set1_ps(256.0f);
+#define V16_OUT(i) \
+    if (MB > i) finish16(a, m0 + i, n0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(h##i), s256, _mm512_cvtepi32_ps(l##i)));
+    V16_OUT(0) V16_OUT(1) V16_OUT(2) V16_OUT(3) V16_OUT(4) V16_OUT(5)
+#undef V16_OUT
+  }
+#undef V16_MADD
+  static void rows(const Lin& a, const int32_t* xw, const int32_t* corr, int64_t m0, int mb, int64_t n0) {
+    switch (mb) {
+      case 1: block<1>(a, xw, corr, m0, n0); break;
+      case 2: block<2>(a, xw, corr, m0, n0); break;
+      case 3: block<3>(a, xw, corr, m0, n0); break;
+      case 4: block<4>(a, xw, corr, m0, n0); break;
+      case 5: block<5>(a, xw, corr, m0, n0); break;
+      default: block<6>(a, xw, corr, m0, n0); break;
+    }
+  }
+};
+
+// xq's rows (qmax 32639) as KernelI8v16 reads them: (M, K/4, 2) 32-bit words, for each 4 columns their 4 high bytes
+// (hi = (x + 128) >> 8), then their 4 low ones (x - 256 hi), both signed; corr (M, 2): -128 x the row's sum of the
+// high bytes, and of the low ones
+void i8v16_words(const int16_t* xq, int64_t M, int64_t K, int32_t* xw, int32_t* corr) {
+  const __m512i round = _mm512_set1_epi16(128), ones = _mm512_set1_epi16(1);
+  const __m512i order = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);  // hi, lo, hi, lo...
+  for (int64_t m = 0; m < M; m++) {
+    __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i v = _mm512_loadu_si512(xq + m * K + k);
+      const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, round), 8);
+      const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
+      sh = _mm512_add_epi32(sh, _mm512_madd_epi16(hi, ones));
+      sl = _mm512_add_epi32(sl, _mm512_madd_epi16(lo, ones));
+      const __m512i both =
+          _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(hi)), _mm512_cvtepi16_epi8(lo), 1);
+      _mm512_storeu_si512(xw + m * K / 2 + k / 2, _mm512_permutexvar_epi32(order, both));
+    }
+    corr[2 * m] = -128 * _mm512_reduce_add_epi32(sh);
+    corr[2 * m + 1] = -128 * _mm512_reduce_add_epi32(sl);
+  }
+}
+
+// int8 weights in 16-row blocks on AVX-512 VNNI: each block meets the activation rows in blocks of at most 6, split
+// evenly (as run_linear); panels of 64 rows. (Two weight blocks a step, two streams, cost one row 1.14x the time
+// from DRAM and 5 rows the same as one block: not kept)
+void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1));
+  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, a.M - p0);
+    const int64_t n_mb = (rows + 5) / 6;
+    at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b++)
+        for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
+          const int mb = (int)((p0 + rows - m0) / (n_mb - i));
+          KernelI8v16::rows(a, xw, corr, m0, mb, 16 * b);
+          m0 += mb;
+        }
+    });
+  }
+}
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
@@ -584,32 +722,6 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// finish4 for 16 columns n..n+15 at once (the int8 and int4 tiles' outputs): the same operations on each value, in
-// the same order, and the same rounding to bf16 (vpmovdw keeps the 16 bits finish4's signed pack keeps), so the same
-// bits; a quarter of the instructions, which at 5 rows were ~70 a row and block of 16 weight rows
-inline void finish16(const Lin& a, int64_t m, int64_t n, __m512 v) {
-  if (a.xs) v = _mm512_mul_ps(v, _mm512_set1_ps(a.xs[m]));
-  if (a.scales && !a.offsets) v = _mm512_mul_ps(v, _mm512_loadu_ps(a.scales + n));
-  if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + n));
-  if (a.out_bf16) {
-    auto round = [](__m512 f) {  // each lane's bf16 bits in its low 16, as to_bf16x4
-      const __m512i u = _mm512_castps_si512(f);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-      return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    };
-    __m512i r = round(v);
-    if (a.res) {  // as finish4
-      const __m512i res = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)a.res + m * a.N + n)));
-      r = round(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(res, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(r, 16))));
-    }
-    _mm256_storeu_si256((__m256i*)((uint16_t*)a.out + m * a.N + n), _mm512_cvtepi32_epi16(r));
-  } else {
-    if (a.res) v = _mm512_add_ps(_mm512_loadu_ps((const float*)a.res + m * a.N + n), v);
-    _mm512_storeu_ps((float*)a.out + m * a.N + n, v);
-  }
-}
 
 // GCC does not see that ldtilecfg reads the whole 64 bytes and dropped some of the stores that fill them (a
 // garbage configuration, a fault): the empty asm tells it that the memory is read
@@ -1799,8 +1911,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(w.is_contiguous(), "eagle_fast::linear: the packed weight must be contiguous");
   // int4i in tall blocks (pack_int4i): uint8, 64 columns of 16 rows in 576 bytes (16 x 36); run as int8 weights
   const bool int4i = w.scalar_type() == at::kByte && w.size(2) == 16 && w.size(3) == 36;
+  // int8 in 16-row blocks for VNNI without AMX (pack on a Zen 4 or 5): uint8 bytes q + 128, (N/16, K/64, 16, 64)
+  const bool i8v16 = w.scalar_type() == at::kByte && w.size(2) == 16 && w.size(3) == 64;
   int wt;
-  switch (int4i ? at::kChar : w.scalar_type()) {
+  switch (int4i || i8v16 ? at::kChar : w.scalar_type()) {
     case at::kFloat: wt = W_F32; break;
     case at::kBFloat16: wt = W_BF16; break;
     case at::kChar: wt = W_I8; break;
@@ -1808,7 +1922,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     default: TORCH_CHECK(false, "eagle_fast::linear: unsupported weight dtype");
   }
   const int64_t M = x.size(0), K = x.size(1), N = w.size(2) * w.size(0);
-  TORCH_CHECK(K == (wt == W_I4 || int4i ? 64 : 32) * w.size(1) && w.size(3) == (int4i ? 36 : 32),
+  TORCH_CHECK(K == (wt == W_I4 || int4i || i8v16 ? 64 : 32) * w.size(1) && w.size(3) == (int4i ? 36 : i8v16 ? 64 : 32),
               "eagle_fast::linear: weight does not match x");
   TORCH_CHECK((wt == W_I8 || wt == W_I4) == scales.has_value() && (wt == W_I4) == offsets.has_value(),
               "eagle_fast::linear: int8 weights need scales, int4 weights scales and offsets");
@@ -1816,8 +1930,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  TORCH_CHECK(w.size(2) == 4 || ((wt == W_I8 || wt == W_I4 || wt == W_BF16) && level == AMX && K <= 65536),
-              "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs (kernels.pack made them here)");
+  TORCH_CHECK(w.size(2) == 4 || ((wt == W_I8 || wt == W_I4 || wt == W_BF16) && level == AMX && !i8v16 && K <= 65536) ||
+              (i8v16 && level == AVX512BF16 && K <= 65536),
+              "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs, and int8 on "
+              "AVX-512 VNNI ones without AMX (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
   a.int4i = int4i;
@@ -1827,8 +1943,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     sc = *scales;
     a.scales = sc.data_ptr<float>();
   }
-  const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall, amx_i4 = wt == W_I4 && tall;
-  // int8 on AVX-512-BF16 without AMX (Zen 4, Zen 5): integer dot products (KernelI8x512), as AVX2 and AMX do
+  const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall && !i8v16, amx_i4 = wt == W_I4 && tall;
+  // int8 on AVX-512-BF16 without AMX (Zen 4, Zen 5): integer dot products (KernelI8v16 in 16-row blocks, else
+  // KernelI8x512), as AVX2 and AMX do
   const bool int8_vnni = wt == W_I8 && level == AVX512BF16;
   if (offsets) {
     // (N, groups), or for tall int4 blocks also (N / 16, groups, 16): each block's scales for a group side by side
@@ -1915,10 +2032,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     }
     xbuf.resize(M * K + 32);
     int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
-    const float qmax = amx_i4 ? 32639.0f : 32767.0f;  // int4 tiles: x = 256 hi + lo with both bytes signed (panel_bytes)
+    // int4 tiles and KernelI8v16: x = 256 hi + lo with both bytes signed (panel_bytes, i8v16_words)
+    const float qmax = amx_i4 || i8v16 ? 32639.0f : 32767.0f;
     if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
     a.xq = xq, a.xs = xs.data();
+    if (i8v16) {
+      static thread_local std::vector<int32_t> words, corr;
+      int32_t* xw = scratch64(words, M * K / 2);
+      corr.resize(2 * M);
+      i8v16_words(xq, M, K, xw, corr.data());
+      run_i8v16(a, xw, corr.data());
+      return out;
+    }
     if (amx_i4) run_amx_i4(a);
     else if (level == AVX512BF16) run_linear<KernelI8x512>(a, 6);
     else if (level == AVX2VNNI) run_linear<KernelI8<true>>(a, KernelI8<true>::MAX_MB);
@@ -2641,20 +2767,22 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-// Rows idx of int8 or bf16 weights in tall blocks (_vnni_tiles), (*idx.shape, K): the tied embedding's lookup. Both
-// lay a block out in 64-byte lines of 16 rows x 4 bytes (int8: 4 columns, bf16: 2), a row's 4 bytes at 4 (row % 16)
-// of each line. An op of its own: Inductor's code for the same gather as tensor indexing
-// (packed_rows) read some wrong rows inside EAGLE's compiled cycle (greedy EAGLE parted from plain decoding on 3 of
-// 20 prompts), where it was right on its own
+// Rows idx of int8 or bf16 weights in tall blocks (_vnni_tiles, or _vnni_lines' uint8 q + 128, read back as int8),
+// (*idx.shape, K): the tied embedding's lookup. They lay a block out in 64-byte lines of 16 rows x 4 bytes (int8: 4
+// columns, bf16: 2), a row's 4 bytes at 4 (row % 16) of each line. An op of its own: Inductor's code for the same
+// gather as tensor indexing (packed_rows) read some wrong rows inside EAGLE's compiled cycle (greedy EAGLE parted from
+// plain decoding on 3 of 20 prompts), where it was right on its own
 at::Tensor tile_rows(const at::Tensor& w, const at::Tensor& idx) {
-  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 32 && w.is_contiguous() &&
-              ((w.scalar_type() == at::kChar && w.size(1) % 2 == 0) || w.scalar_type() == at::kBFloat16),
+  const bool offset = w.dim() == 4 && w.scalar_type() == at::kByte && w.size(3) == 64;  // _vnni_lines: q + 128
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == (offset ? 64 : 32) && w.is_contiguous() &&
+              ((w.scalar_type() == at::kChar && w.size(1) % 2 == 0) || w.scalar_type() == at::kBFloat16 || offset),
               "eagle_fast::tile_rows: an int8 or bf16 weight in tall blocks");
-  const int64_t N = 16 * w.size(0), K = 32 * w.size(1), lines = K * w.element_size() / 4;  // a row's 4-byte pieces
+  const int64_t N = 16 * w.size(0), K = w.size(3) * w.size(1);
+  const int64_t lines = K * w.element_size() / 4;  // a row's 4-byte pieces
   const at::Tensor ic = idx.to(at::kLong).contiguous();
   std::vector<int64_t> shape(idx.sizes().begin(), idx.sizes().end());
   shape.push_back(K);
-  at::Tensor out = at::detail::empty_cpu(shape, w.scalar_type());
+  at::Tensor out = at::detail::empty_cpu(shape, offset ? at::kChar : w.scalar_type());
   const char* wp = (const char*)w.data_ptr();
   const int64_t* ip = ic.data_ptr<int64_t>();
   char* op = (char*)out.data_ptr();
@@ -2664,6 +2792,8 @@ at::Tensor tile_rows(const at::Tensor& w, const at::Tensor& idx) {
     const char* src = wp + (row / 16) * lines * 64 + (row % 16) * 4;  // (block, line, row, 4 bytes)
     for (int64_t l = 0; l < lines; l++) std::memcpy(op + (i * lines + l) * 4, src + 64 * l, 4);
   }
+  if (offset)  // q + 128 -> q: the top bit flipped
+    for (int64_t i = 0; i < ic.numel() * K; i++) op[i] ^= (char)0x80;
   return out;
 }
 
@@ -2717,7 +2847,8 @@ TORCH_LIBRARY_IMPL(eagle_fast, CPU, m) {
 """
 
 ISA_NAMES = {1: "avx2", 2: "avx2_vnni", 3: "avx512", 4: "avx512_bf16", 5: "amx"}
-# builds whose int8 linears in 4-row blocks multiply x rounded to 16-bit integers a row (KernelI8, KernelI8x512)
+# builds whose int8 linears in 4-row blocks multiply x rounded to 16-bit integers a row (KernelI8, KernelI8x512; the
+# AVX-512-BF16 build's 16-row int8 lines likewise, KernelI8v16)
 INT16_ROW_BUILDS = ("avx2", "avx2_vnni", "avx512_bf16")
 _state = {"loaded": None, "why": None, "isa": 0, "shims": False}
 
@@ -2760,8 +2891,9 @@ def load() -> bool:
         return x.new_empty(x.shape[0], w.shape[2] * w.shape[0])  # blocks of 4 rows, or 16 (block_rows)
 
     @torch.library.register_fake("eagle_fast::tile_rows")
-    def _(w, idx):
-        return w.new_empty(*idx.shape, 32 * w.shape[1])
+    def _(w, idx):  # _vnni_lines (uint8, 64 columns a block row) come back as int8
+        offset = w.dtype == torch.uint8
+        return w.new_empty(*idx.shape, w.shape[3] * w.shape[1], dtype=torch.int8 if offset else w.dtype)
 
     @torch.library.register_fake("eagle_fast::attention")
     def _(q, k, v, mask):  # (B, H, T, D) laid out as (B, T, H, D), like the kernel's output
@@ -2808,13 +2940,15 @@ def can_pack(weight: Tensor) -> bool:
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
     (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); bf16, int8 and int4 on AMX (block_rows 16) as the tiles' B
-    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles). The same numbers, re-laid so
-    that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages
-    (on_huge_pages)."""
+    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles); int8 on AVX-512-BF16 CPUs
+    without AMX as uint8 (N/16, K/64, 16, 64) (_vnni_lines). The same numbers, re-laid so that the kernel reads each
+    block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
     if weight.dtype == torch.uint8 and R == 16:
         blocks = _int4_tiles(weight.detach())
+    elif R == 16 and weight.dtype == torch.int8 and isa() != "amx":
+        blocks = _vnni_lines(weight.detach())
     elif R == 16:
         blocks = _vnni_tiles(weight.detach())
     else:
@@ -2849,12 +2983,14 @@ def on_huge_pages(t: Tensor) -> bool:
 
 def block_rows(weight: Tensor) -> int:
     """Rows of pack()'s blocks: 16 for bf16, int8 and int4 weights where the AMX build runs (N % 16 == 0, K % 64 ==
-    0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles); else 4."""
+    0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles), and for int8 ones where the AVX-512-BF16 build
+    runs (_vnni_lines: 16 output columns in a register); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
     tall = (weight.dtype in (torch.bfloat16, torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0
             and K <= 65536 and K % 64 == 0)
-    return 16 if tall and load() and isa() == "amx" else 4
+    vnni = weight.dtype == torch.int8 and isa() == "avx512_bf16"
+    return 16 if tall and load() and (isa() == "amx" or vnni) else 4
 
 
 def _int4_tiles(nibbles: Tensor) -> Tensor:
@@ -2875,6 +3011,13 @@ def _vnni_tiles(weight: Tensor) -> Tensor:
     e = 4 // weight.element_size()
     q = weight.reshape(N // 16, 16, K // (16 * e), 16, e).permute(0, 2, 3, 1, 4)  # (blk, tile, r, n, j)
     return q.reshape(N // 16, K // 32, 16, 32)
+
+
+def _vnni_lines(weight: Tensor) -> Tensor:
+    """int8 (N, K) -> uint8 (N/16, K/64, 16, 64): _vnni_tiles' bytes, each q + 128, a block row one 64-byte line of
+    4 columns x 16 rows: what one vpdpbusd multiplies (unsigned) by 4 bytes of an activation row (KernelI8v16)."""
+    N, K = weight.shape
+    return (_vnni_tiles(weight).view(torch.uint8) ^ 128).reshape(N // 16, K // 64, 16, 64)
 
 
 def int4i_takes(weight: Tensor) -> bool:
@@ -2923,6 +3066,8 @@ def plain_groups(t: Tensor) -> Tensor:
 def unpack(packed: Tensor) -> Tensor:
     """The inverse of pack(); of pack_int4i, the int8 weights (N, K) its nibbles stand for."""
     B, KB, R, C = packed.shape
+    if C == 64:  # _vnni_lines: _vnni_tiles' bytes + 128
+        return unpack((packed ^ 128).view(torch.int8).reshape(B, 2 * KB, 16, 32))
     if C == 36:  # pack_int4i
         raw = packed.reshape(B, KB, 576)
         nibbles = unpack(raw[..., :512].reshape(B, KB, 16, 32).contiguous())  # (N, K/2)
@@ -2941,11 +3086,11 @@ def unpack(packed: Tensor) -> Tensor:
 def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
     """Rows idx of a packed weight, (*idx.shape, K): an embedding lookup in a tied, packed table."""
     B, KB, R, C = packed.shape
-    if R == 16 and packed.dtype == torch.uint8:  # _int4_tiles: (..., K/64, 8 quads, 4) bytes, two nibbles each
+    if R == 16 and packed.dtype == torch.uint8 and C == 32:  # _int4_tiles: (..., K/64, 8 quads, 4) bytes, 2 nibbles
         v = packed.view(B, KB, 8, 16, 4)[idx // 16, :, :, idx % 16, :].flatten(-2)  # (..., K/64, 32)
         q = torch.cat([v & 15, v >> 4], dim=-1).flatten(-2)  # (..., K) values in column order
         return q[..., 0::2] | (q[..., 1::2] << 4)
-    if R == 16:  # _vnni_tiles: by an op (see tile_rows in the C++)
+    if R == 16:  # _vnni_tiles and _vnni_lines: by an op (see tile_rows in the C++)
         return torch.ops.eagle_fast.tile_rows(packed, idx)
     return packed[idx // R, :, idx % R].flatten(-2)
 
@@ -3020,8 +3165,8 @@ def dequantize(weight: Tensor, scales: Tensor = None, offsets: Tensor = None) ->
 
 def round_rows16(x: Tensor, qmax: int = 32767) -> Tensor:
     """x (M, K) as the AVX2 and AMX builds give it to int8 weights: each row rounded to 16-bit integers times its
-    scale max |x| / qmax (a row of zeros stays zeros; one with an inf or a NaN becomes NaN). AMX's int4 tiles take
-    qmax = 32639, which splits into two signed bytes."""
+    scale max |x| / qmax (a row of zeros stays zeros; one with an inf or a NaN becomes NaN). AMX's int4 tiles and
+    the AVX-512-BF16 build's int8 lines take qmax = 32639, which splits into two signed bytes."""
     q, scale = rows16(x, qmax)
     return q * scale
 
@@ -3043,7 +3188,7 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
     AVX2 and AVX-512-BF16 builds, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row
     (round_rows16)."""
     int16_rows = scales is not None and (offsets is None and isa() in INT16_ROW_BUILDS or packed.shape[2] == 16)
-    qmax = 32639 if offsets is not None else 32767  # int4 tiles: two signed bytes
+    qmax = 32639 if offsets is not None or packed.shape[3] == 64 else 32767  # int4 tiles, _vnni_lines: two signed bytes
     y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
     y = (y if bias is None else y + bias.float()).to(x.dtype)
     return y if residual is None else residual + y

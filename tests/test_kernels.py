@@ -92,6 +92,58 @@ def test_int8_on_avx2_and_avx512_bf16_matches_integer_sums_of_rows_rounded_to_16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_in_16_row_blocks_on_avx512_bf16_sums_high_and_low_bytes_exactly(dtype):
+    """The AVX-512-BF16 build without AMX multiplies int8 weights in 16-row blocks (_vnni_lines) by x rounded to
+    16-bit integers a row (qmax 32639) split into two signed bytes, x = 256 hi + lo: each output is fl(fl(H) * 256 +
+    fl(L)), H and L the exact integer dot products of the high and the low bytes, times the row's and the weight row's
+    scales, whatever M is, at the largest products (-128 weights too), with a row of zeros and rows holding a NaN or
+    an inf."""
+    if kernels.isa() != "avx512_bf16":
+        pytest.skip("the AVX-512-BF16 build's int8 path (EAGLE_KERNELS=avx512_bf16 runs it on an AMX machine)")
+    g = torch.Generator().manual_seed(5)
+    N, K = 96, 4608 + 64  # past 4096 columns: sums no longer held in 16 bits' range
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g) / 127
+    x = torch.randn(20, K, generator=g) * torch.logspace(-2, 2, K)
+    x[1] = torch.where(q[0] >= 0, 1.0, -1.0)  # every product of row 1 and weight row 0 at its largest, one sign
+    q[0] = torch.where(q[0] >= 0, 127, -128).to(torch.int8)
+    x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
+    x = x.to(dtype)
+    ints, row_scales = kernels.rows16(x, 32639)
+    hi = torch.floor((ints + 128) / 256)
+    H, L = hi.double() @ q.double().T, (ints - 256 * hi).double() @ q.double().T
+    ref = ((H.float() * 256 + L.float()) * row_scales * scales).to(dtype)
+    packed = kernels.pack(q)
+    assert packed.shape == (N // 16, K // 64, 16, 64) and packed.dtype == torch.uint8
+    for M in (1, 2, 5, 6, 7, 13, 20):
+        y = kernels.linear(x[:M], packed, None, scales)
+        assert torch.equal(y.isnan(), ref[:M].isnan()), M
+        assert torch.equal(y[~y.isnan()], ref[:M][~y.isnan()]), M
+    assert y[1, 0].float() == pytest.approx(K * 127.5 * scales[0].item(), rel=1e-2)  # none wrapped around
+    assert torch.equal(y[2], torch.zeros(N, dtype=dtype)) and y[3].isnan().all() and y[4].isnan().all()
+
+
+def test_int8_lines_layout_on_avx512_bf16():
+    """On AVX-512-BF16 CPUs without AMX, pack() lays int8 weights out in _vnni_tiles' order with each byte + 128, as
+    uint8 (N/16, K/64, 16, 64): a 64-byte line is 4 columns of 16 rows; unpack() and packed_rows() read them back;
+    N % 16 != 0 keeps 4-row blocks."""
+    if kernels.isa() != "avx512_bf16":
+        pytest.skip("the int8 line layout is the AVX-512-BF16 build's")
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-128, 128, (48, 320), generator=g, dtype=torch.int8)
+    lines = kernels.pack(q)
+    assert lines.shape == (3, 5, 16, 64) and lines.dtype == torch.uint8 and torch.equal(kernels.unpack(lines), q)
+    view = lines.view(3, 80, 16, 4)  # (block, 4 columns r, row n, j)
+    for blk, r, n, j in [(0, 0, 0, 0), (1, 13, 5, 1), (2, 79, 15, 3), (1, 40, 0, 2)]:
+        assert view[blk, r, n, j].item() == q[16 * blk + n, 4 * r + j].item() + 128
+    idx = torch.tensor([[0, 15, 16], [47, 33, -1]])
+    assert torch.equal(kernels.packed_rows(lines, idx), q[idx])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.packed_rows(lines, torch.tensor([48]))
+    assert kernels.pack(q[:44]).shape == (11, 10, 4, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
     """The AMX build multiplies int8 weights (tall blocks) by x rounded to 16-bit integers a row, by the int8 tiles (a
     high and a low byte and a row of ones a panel): each output is the exact integer dot product rounded to fp32 once,
