@@ -573,13 +573,13 @@ struct KernelI8x512 {
 // against 22.7 us for KernelI8x512's loop, the vpdpbusd at 3.56 G/s of a 3.65 peak; docs/performance.md.)
 struct KernelI8v16 {
 #define V16_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
-  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (M, K/4, 2) words, corr: (M, 2)
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, corr: (M, 2)
   // the sums' starting values
   template <int MB>
   static void block(const Lin& a, const int32_t* xw, const int32_t* corr, int64_t m0, int64_t n0) {
-    const int64_t G = a.K / 4;
+    const int64_t G = a.K / 4, step = 2 * a.M;  // words from one 4 columns' to the next
     const char* w = a.w + n0 * a.K;  // block n0 / 16: 16 K bytes
-    const int32_t* x = xw + m0 * 2 * G;
+    const int32_t* x = xw + 2 * m0;
     __m512i h0, l0, h1, l1, h2, l2, h3, l3, h4, l4, h5, l5;
 #define V16_INIT(i) \
     if (MB > i) h##i = _mm512_set1_epi32(corr[2 * (m0 + i)]), l##i = _mm512_set1_epi32(corr[2 * (m0 + i) + 1]);
@@ -591,18 +591,19 @@ struct KernelI8v16 {
       for (int64_t g = 0; g < G; g += 2) {  // G = K / 4: even
         _mm_prefetch(w + 64 * g + PREFETCH_AHEAD, _MM_HINT_T1);
         const __m512i wa = _mm512_load_si512(w + 64 * g), wb = _mm512_load_si512(w + 64 * g + 64);
-        V16_MADD(h0, wa, x[2 * g]); V16_MADD(l0, wa, x[2 * g + 1]);
-        V16_MADD(h1, wb, x[2 * g + 2]); V16_MADD(l1, wb, x[2 * g + 3]);
+        V16_MADD(h0, wa, x[0]); V16_MADD(l0, wa, x[1]);
+        V16_MADD(h1, wb, x[step]); V16_MADD(l1, wb, x[step + 1]);
+        x += 2 * step;
       }
       h0 = _mm512_add_epi32(h0, h1), l0 = _mm512_add_epi32(l0, l1);
     } else {
       for (int64_t g = 0; g < G; g++) {
         _mm_prefetch(w + 64 * g + PREFETCH_AHEAD, _MM_HINT_T1);
         const __m512i wv = _mm512_load_si512(w + 64 * g);
-#define V16_ROW(i) \
-        if (MB > i) { V16_MADD(h##i, wv, x[i * 2 * G + 2 * g]); V16_MADD(l##i, wv, x[i * 2 * G + 2 * g + 1]); }
+#define V16_ROW(i) if (MB > i) { V16_MADD(h##i, wv, x[2 * i]); V16_MADD(l##i, wv, x[2 * i + 1]); }
         V16_ROW(0) V16_ROW(1) V16_ROW(2) V16_ROW(3) V16_ROW(4) V16_ROW(5)
 #undef V16_ROW
+        x += step;
       }
     }
     const __m512 s256 = _mm512_set1_ps(256.0f);
@@ -624,9 +625,10 @@ struct KernelI8v16 {
   }
 };
 
-// xq's rows (qmax 32639) as KernelI8v16 reads them: (M, K/4, 2) 32-bit words, for each 4 columns their 4 high bytes
-// (hi = (x + 128) >> 8), then their 4 low ones (x - 256 hi), both signed; corr (M, 2): -128 x the row's sum of the
-// high bytes, and of the low ones
+// xq's rows (qmax 32639) as KernelI8v16 reads them: (K/4, M, 2) 32-bit words, for each 4 columns and row their 4
+// high bytes (hi = (x + 128) >> 8), then their 4 low ones (x - 256 hi), both signed: a block of rows then reads one
+// pointer at fixed offsets (rows apart, (M, K/4, 2) had GCC copy the accumulators between registers every step);
+// corr (M, 2): -128 x the row's sum of the high bytes, and of the low ones
 void i8v16_words(const int16_t* xq, int64_t M, int64_t K, int32_t* xw, int32_t* corr) {
   const __m512i round = _mm512_set1_epi16(128), ones = _mm512_set1_epi16(1);
   const __m512i order = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);  // hi, lo, hi, lo...
@@ -640,7 +642,10 @@ void i8v16_words(const int16_t* xq, int64_t M, int64_t K, int32_t* xw, int32_t* 
       sl = _mm512_add_epi32(sl, _mm512_madd_epi16(lo, ones));
       const __m512i both =
           _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(hi)), _mm512_cvtepi16_epi8(lo), 1);
-      _mm512_storeu_si512(xw + m * K / 2 + k / 2, _mm512_permutexvar_epi32(order, both));
+      alignas(64) int64_t pairs[8];  // 4 columns' (hi, lo) words
+      _mm512_store_si512(pairs, _mm512_permutexvar_epi32(order, both));
+      int64_t* dst = (int64_t*)xw + (k / 4) * M + m;
+      for (int q = 0; q < 8; q++) dst[q * M] = pairs[q];
     }
     corr[2 * m] = -128 * _mm512_reduce_add_epi32(sh);
     corr[2 * m + 1] = -128 * _mm512_reduce_add_epi32(sl);
