@@ -495,7 +495,8 @@ struct Kernel512 {
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
-// int8 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5): KernelI8's integer sums on 512-bit registers, the
+// int8 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5), in 4-row blocks (the shapes KernelI8v16's 16-row
+// blocks do not take: N % 16 or K % 64): KernelI8's integer sums on 512-bit registers, the
 // activations rounded to 16-bit integers a row (quantize_rows16), the weights sign-extended once for all rows, one
 // vpdpwssd a 32 products; 32 registers hold 4 weight rows x up to 6 activation rows. Each lane goes to fp32 after
 // at most 4096 columns, the lanes to one sum by reduce4_512: the same for a row whatever M is
@@ -569,8 +570,8 @@ struct KernelI8x512 {
 // conversion, where KernelI8x512 sign-extends 2 x 32 weights and spends 2 vpdpwssd a row. Each (row, block) sums
 // the high and the low bytes' products as int32, H and L, exact for K <= 65536; they start at -128 x the row's sum
 // of high (low) bytes, which takes the weights' +128 back out; the output is fl(fl(H) * 256 + fl(L)), then
-// finish16. One lane per output, in the same order whatever M is. (In cache, one thread, 768 x 576 at 5 rows: 19.4
-// against 22.7 us for KernelI8x512's loop, the vpdpbusd at 3.56 G/s of a 3.65 peak; docs/performance.md.)
+// finish16. One lane per output, in the same order whatever M is. (In L2, one thread, 768 x 576 at 5 rows: 19.7
+// against 22.7 us for KernelI8x512's loop, the vpdpbusd at 3.51 G/s of a 3.65 peak; docs/performance.md.)
 struct KernelI8v16 {
 #define V16_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
   // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, corr: (M, 2)
