@@ -91,6 +91,30 @@ def test_int8_on_avx2_and_avx512_bf16_matches_integer_sums_of_rows_rounded_to_16
                               rtol=1e-7, atol=0)
 
 
+def extreme_int8_case(seed, N, K, rows, scale_range, dtype):
+    """int8 weights (N, K) with their scales, and x (rows, K) in dtype spanning 10^-r..10^r: row 1 meets weight row 0
+    at its largest products, one sign; row 2 zeros; rows 3 and 4 hold a NaN and an inf."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, generator=g) / 127
+    x = torch.randn(rows, K, generator=g) * torch.logspace(-scale_range, scale_range, K)
+    x[1] = torch.where(q[0] >= 0, 1.0, -1.0)
+    q[0] = torch.where(q[0] >= 0, 127, -128).to(torch.int8)
+    x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
+    return q, scales, x.to(dtype)
+
+
+def assert_int8_rows_equal(packed, scales, x, ref, sizes):
+    """kernels.linear on the first M rows, for each M, equals ref bit for bit (NaN where ref is); no sum wrapped
+    around (extreme_int8_case's row 1), zeros and NaN rows as they should be."""
+    for M in sizes:
+        y = kernels.linear(x[:M], packed, None, scales)
+        assert torch.equal(y.isnan(), ref[:M].isnan()), M
+        assert torch.equal(y[~y.isnan()], ref[:M][~y.isnan()]), M
+    assert y[1, 0].float() == pytest.approx(x.shape[1] * 127.5 * scales[0].item(), rel=1e-2)
+    assert torch.equal(y[2], torch.zeros_like(y[2])) and y[3].isnan().all() and y[4].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_in_16_row_blocks_on_avx512_bf16_sums_high_and_low_bytes_exactly(dtype):
     """The AVX-512-BF16 build without AMX multiplies int8 weights in 16-row blocks (_vnni_lines) by x rounded to
@@ -100,27 +124,15 @@ def test_int8_in_16_row_blocks_on_avx512_bf16_sums_high_and_low_bytes_exactly(dt
     an inf."""
     if kernels.isa() != "avx512_bf16":
         pytest.skip("the AVX-512-BF16 build's int8 path (EAGLE_KERNELS=avx512_bf16 runs it on an AMX machine)")
-    g = torch.Generator().manual_seed(5)
-    N, K = 96, 4608 + 64  # past 4096 columns: sums no longer held in 16 bits' range
-    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-    scales = torch.rand(N, generator=g) / 127
-    x = torch.randn(20, K, generator=g) * torch.logspace(-2, 2, K)
-    x[1] = torch.where(q[0] >= 0, 1.0, -1.0)  # every product of row 1 and weight row 0 at its largest, one sign
-    q[0] = torch.where(q[0] >= 0, 127, -128).to(torch.int8)
-    x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
-    x = x.to(dtype)
+    N, K = 96, 4608 + 64  # past 4096 columns
+    q, scales, x = extreme_int8_case(5, N, K, 20, 2, dtype)
     ints, row_scales = kernels.rows16(x, 32639)
     hi = torch.floor((ints + 128) / 256)
     H, L = hi.double() @ q.double().T, (ints - 256 * hi).double() @ q.double().T
     ref = ((H.float() * 256 + L.float()) * row_scales * scales).to(dtype)
     packed = kernels.pack(q)
     assert packed.shape == (N // 16, K // 64, 16, 64) and packed.dtype == torch.uint8
-    for M in (1, 2, 5, 6, 7, 13, 20):
-        y = kernels.linear(x[:M], packed, None, scales)
-        assert torch.equal(y.isnan(), ref[:M].isnan()), M
-        assert torch.equal(y[~y.isnan()], ref[:M][~y.isnan()]), M
-    assert y[1, 0].float() == pytest.approx(K * 127.5 * scales[0].item(), rel=1e-2)  # none wrapped around
-    assert torch.equal(y[2], torch.zeros(N, dtype=dtype)) and y[3].isnan().all() and y[4].isnan().all()
+    assert_int8_rows_equal(packed, scales, x, ref, (1, 2, 5, 6, 7, 13, 20))
 
 
 def test_int8_lines_layout_on_avx512_bf16():
@@ -151,24 +163,10 @@ def test_int8_on_amx_is_the_exact_integer_dot_product(dtype):
     21-row passes), at the largest products, with a row of zeros and rows holding a NaN or an inf."""
     if kernels.isa() != "amx":
         pytest.skip("the AMX build's int8 path (a Xeon with AMX tiles)")
-    g = torch.Generator().manual_seed(3)
-    N, K = 256, 1536  # enough weight blocks for both threads
-    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-    scales = torch.rand(N, generator=g) / 127
-    x = torch.randn(70, K, generator=g) * torch.logspace(-2, 2, K)
-    x[1] = torch.where(q[0] >= 0, 1.0, -1.0)  # every product of row 1 and weight row 0 at its largest, one sign
-    q[0] = torch.where(q[0] >= 0, 127, -128).to(torch.int8)
-    x[2], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
-    x = x.to(dtype)
+    q, scales, x = extreme_int8_case(3, 256, 1536, 70, 2, dtype)  # 256 rows: enough weight blocks for both threads
     ints, row_scales = kernels.rows16(x)
     ref = ((ints.double() @ q.double().T).float() * row_scales * scales).to(dtype)
-    packed = kernels.pack(q)
-    for M in (1, 2, 3, 5, 7, 8, 15, 16, 17, 21, 22, 70):
-        y = kernels.linear(x[:M], packed, None, scales)
-        assert torch.equal(y.isnan(), ref[:M].isnan()), M
-        assert torch.equal(y[~y.isnan()], ref[:M][~y.isnan()]), M
-    assert y[1, 0].float() == pytest.approx(K * 127.5 * scales[0].item(), rel=1e-2)  # none wrapped around
-    assert torch.equal(y[2], torch.zeros(N, dtype=dtype)) and y[3].isnan().all() and y[4].isnan().all()
+    assert_int8_rows_equal(kernels.pack(q), scales, x, ref, (1, 2, 3, 5, 7, 8, 15, 16, 17, 21, 22, 70))
 
 
 def test_int8_tiles_layout_on_amx():
