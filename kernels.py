@@ -1928,16 +1928,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     default: TORCH_CHECK(false, "eagle_fast::linear: unsupported weight dtype");
   }
   const int64_t M = x.size(0), K = x.size(1), N = w.size(2) * w.size(0);
-  TORCH_CHECK(K == (wt == W_I4 || int4i || i8v16 ? 64 : 32) * w.size(1) && w.size(3) == (int4i ? 36 : i8v16 ? 64 : 32),
-              "eagle_fast::linear: weight does not match x");
+  TORCH_CHECK(K == (wt == W_I4 || int4i || i8v16 ? 64 : 32) * w.size(1) &&
+              w.size(3) == (int4i ? 36 : i8v16 ? 64 : 32), "eagle_fast::linear: weight does not match x");
   TORCH_CHECK((wt == W_I8 || wt == W_I4) == scales.has_value() && (wt == W_I4) == offsets.has_value(),
               "eagle_fast::linear: int8 weights need scales, int4 weights scales and offsets");
   TORCH_CHECK(wt != W_F32 || x.scalar_type() == at::kFloat, "eagle_fast::linear: fp32 weights need fp32 x");
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  TORCH_CHECK(w.size(2) == 4 || ((wt == W_I8 || wt == W_I4 || wt == W_BF16) && level == AMX && !i8v16 && K <= 65536) ||
-              (i8v16 && level == AVX512BF16 && K <= 65536),
+  TORCH_CHECK(w.size(2) == 4 || (K <= 65536 && (i8v16 ? level == AVX512BF16 : level == AMX && wt != W_F32)),
               "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs, and int8 on "
               "AVX-512 VNNI ones without AMX (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),

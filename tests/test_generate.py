@@ -372,7 +372,6 @@ def test_default_tree_follows_the_verification_cost(monkeypatch, isa, device, we
     """The 8-node tree only where a 9-token verification costs about one step (AMX bf16, CUDA), 3 nodes for int4 on
     AMX (its tiles' cheap rows end at 4) and for int8 on AVX-512-BF16 without AMX (each row costs); flags given
     override their defaults, and a default --total_tokens shrinks to what a given --depth allows."""
-    import kernels
     monkeypatch.setattr(kernels, "isa", lambda: isa)
     parse = gen.build_parser().parse_args
     args = gen.fill_tree_defaults(parse([]), weights, device)
