@@ -2142,6 +2142,67 @@ void scores512(const float* q, const E* k, int64_t D, float scale, const int64_t
   }
 }
 
+// 64 columns of a V row as 4 fp32 vectors: bf16 as pairs split in place (a 32-bit lane's low bf16 by a shift, its
+// high one by a mask: columns 0, 2, .., 30, then 1, 3, .., 31, then the same of 32..63), one instruction a vector
+// where widening took two, one of them a shuffle (4% of the op); fp32 and a short last pass (chunks < 4) in order
+template <typename E, bool FULL>
+inline void vload64(const E* p, int64_t chunks, __m512 (&x)[4]) {
+  if (sizeof(E) == 2 && FULL) {
+    for (int h = 0; h < 2; h++) {
+      const __m512i w = _mm512_loadu_si512(p + 32 * h);
+      x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+  } else {
+    for (int j = 0; j < 4; j++)
+      if (j < chunks) x[j] = vload512(p + 16 * j);
+  }
+}
+
+// Softmax in fp32, then the weighted sums of the slots' V rows, for R query rows that see the same slots (the query
+// heads of one KV head at one position): each V row is loaded and converted once for the R rows, and each row's sum
+// is the one it gets alone. V is summed in two accumulators a 16-column chunk (even and odd ranks): one chain of
+// dependent multiply-adds a chunk waited on their latency.
+// one pass over the slots for 64 columns from d0 (FULL: all 64, else chunks of 16 < 4)
+template <typename E, int R, bool FULL>
+void v_pass512(const E* v, int64_t D, float* const* scores, const int64_t* slots, int64_t n, const float* inv,
+               int64_t d0, float* const* out) {
+  const int64_t chunks = FULL ? 4 : (D - d0) / 16;
+  __m512 acc[R][2][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) acc[r][0][j] = acc[r][1][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const bool odd = i + 1 < n;
+    __m512 x0[4], x1[4];
+    vload64<E, FULL>(v + slots[i] * D + d0, chunks, x0);
+    vload64<E, FULL>(v + slots[odd ? i + 1 : i] * D + d0, chunks, x1);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+      if (j < chunks)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+          acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][i]), x0[j], acc[r][0][j]);
+          if (odd) acc[r][1][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][i + 1]), x1[j], acc[r][1][j]);
+        }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++) {
+    __m512 y[4];
+    for (int j = 0; j < chunks; j++) y[j] = _mm512_mul_ps(_mm512_add_ps(acc[r][0][j], acc[r][1][j]), _mm512_set1_ps(inv[r]));
+    if (sizeof(E) == 2 && FULL) {  // evens and odds back to column order
+      const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+      for (int h = 0; h < 2; h++) {
+        const __m512 ev = y[2 * h], od = y[2 * h + 1];
+        y[2 * h] = _mm512_permutex2var_ps(ev, lo, od), y[2 * h + 1] = _mm512_permutex2var_ps(ev, hi, od);
+      }
+    }
+    for (int j = 0; j < chunks; j++) _mm512_storeu_ps(out[r] + d0 + 16 * j, y[j]);
+  }
+}
+
 // Softmax in fp32, then the weighted sums of the slots' V rows, for R query rows that see the same slots (the query
 // heads of one KV head at one position): each V row is loaded and converted once for the R rows, and each row's sum
 // is the one it gets alone. V is summed in two accumulators a 16-column chunk (even and odd ranks): one chain of
@@ -2150,32 +2211,9 @@ template <typename E, int R>
 void softmax_v512(const E* v, int64_t D, float* const* scores, const int64_t* slots, int64_t n, float* const* out) {
   float inv[R];
   for (int r = 0; r < R; r++) inv[r] = n ? 1.0f / softmax_numerators512(scores[r], n) : 0.0f;
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 column chunks of 16 at a time
-    const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
-    __m512 acc[R][2][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; j++) acc[r][0][j] = acc[r][1][j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 2) {
-      const bool odd = i + 1 < n;
-      const E* v0 = v + slots[i] * D + d0;
-      const E* v1 = v + slots[odd ? i + 1 : i] * D + d0;
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; j++)
-        if (j < chunks) {
-          const __m512 x0 = vload512(v0 + 16 * j), x1 = vload512(v1 + 16 * j);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; r++) {
-            acc[r][0][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][i]), x0, acc[r][0][j]);
-            if (odd) acc[r][1][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][i + 1]), x1, acc[r][1][j]);
-          }
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < chunks; j++)
-        _mm512_storeu_ps(out[r] + d0 + 16 * j, _mm512_mul_ps(_mm512_add_ps(acc[r][0][j], acc[r][1][j]), _mm512_set1_ps(inv[r])));
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    if (D - d0 >= 64) v_pass512<E, R, true>(v, D, scores, slots, n, inv, d0, out);
+    else v_pass512<E, R, false>(v, D, scores, slots, n, inv, d0, out);
   }
 }
 #pragma GCC pop_options
@@ -2183,21 +2221,33 @@ void softmax_v512(const E* v, int64_t D, float* const* scores, const int64_t* sl
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 // bf16 K on a CPU with BF16 dot products: each score by dot products of bf16 pairs summed in fp32, one instruction a
-// 32 columns where scores512 converts and multiply-adds twice (q comes in bf16, so nothing new is rounded)
-void scores512bf16(const uint16_t* q, const uint16_t* k, int64_t D, float scale, const int64_t* slots, int64_t n,
-                   float* scores) {
+// 32 columns where scores512 converts and multiply-adds twice (q comes in bf16, so nothing new is rounded). R query
+// rows (qstride apart) at once: each 4 slots' K rows are loaded once for them (a KV head's K is larger than L1 at
+// a few hundred slots, so every row re-read it from L2), each row's scores the same multiply-adds and sums as alone
+template <int R>
+void scores512bf16(const uint16_t* q, int64_t qstride, const uint16_t* k, int64_t D, float scale, const int64_t* slots,
+                   int64_t n, float* const* scores) {
   for (int64_t i = 0; i < n; i += 4) {
     const uint16_t *k0 = k + slots[i] * D, *k1 = k + slots[std::min(i + 1, n - 1)] * D,
                    *k2 = k + slots[std::min(i + 2, n - 1)] * D, *k3 = k + slots[std::min(i + 3, n - 1)] * D;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 a[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
-      a0 = _mm512_dpbf16_ps(a0, qd, (__m512bh)_mm512_loadu_si512(k0 + d));
-      a1 = _mm512_dpbf16_ps(a1, qd, (__m512bh)_mm512_loadu_si512(k1 + d));
-      a2 = _mm512_dpbf16_ps(a2, qd, (__m512bh)_mm512_loadu_si512(k2 + d));
-      a3 = _mm512_dpbf16_ps(a3, qd, (__m512bh)_mm512_loadu_si512(k3 + d));
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(k0 + d), x1 = (__m512bh)_mm512_loadu_si512(k1 + d),
+                     x2 = (__m512bh)_mm512_loadu_si512(k2 + d), x3 = (__m512bh)_mm512_loadu_si512(k3 + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + r * qstride + d);
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], qd, x0);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], qd, x1);
+        a[r][2] = _mm512_dpbf16_ps(a[r][2], qd, x2);
+        a[r][3] = _mm512_dpbf16_ps(a[r][3], qd, x3);
+      }
     }
-    _mm_storeu_ps(scores + i, _mm_mul_ps(reduce4_512(a0, a1, a2, a3), _mm_set1_ps(scale)));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+      _mm_storeu_ps(scores[r] + i, _mm_mul_ps(reduce4_512(a[r][0], a[r][1], a[r][2], a[r][3]), _mm_set1_ps(scale)));
   }
 }
 #pragma GCC pop_options
@@ -2216,9 +2266,9 @@ void attend_rows512(const float* q, const uint16_t* qb, int64_t qstride, const E
   float* o[R];
   for (int r = 0; r < R; r++) {
     sc[r] = scores + r * (S + 4), o[r] = out + r * D;
-    if (qb) scores512bf16(qb + r * qstride, (const uint16_t*)k, D, scale, slots, n, sc[r]);
-    else scores512<E>(q + r * qstride, k, D, scale, slots, n, sc[r]);
+    if (!qb) scores512<E>(q + r * qstride, k, D, scale, slots, n, sc[r]);
   }
+  if (qb) scores512bf16<R>(qb, qstride, (const uint16_t*)k, D, scale, slots, n, sc);
   softmax_v512<E, R>(v, D, sc, slots, n, o);
 }
 #pragma GCC pop_options
