@@ -360,9 +360,19 @@ inline void finish4x4(const Lin& a, int64_t m, int64_t n, __m512 v) {
 }
 #pragma GCC pop_options
 
-// plain AVX-512 (no FMA, no BF16): both the AMX code and KernelI8v16 inline it
+// plain AVX-512 (no FMA, no BF16): both the AMX code and KernelI8v16 / KernelI4v16 inline it
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+// one (row, group) of int4 sums into its accumulator: the group's exact integer dot product (256 hi + lo, hi and lo
+// the sums of the high and the low bytes' products) times the scale, plus the offset times the group's sum of x;
+// every int4 path in tall blocks (the AMX tiles, KernelI4v16) adds its groups through this, in group order, so
+// every M gives the same bits, and both builds the same ones
+__attribute__((always_inline)) inline __m512 add_group(__m512 acc, __m512i hi, __m512i lo, __m512 scale, __m512 offset,
+                                                       float xsum) {
+  const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+  return _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum), acc);
+}
 // finish4 for 16 columns n..n+15 at once (the int8 and int4 tiles' outputs): the same operations on each value, in
 // the same order, and the same rounding to bf16 (vpmovdw keeps the 16 bits finish4's signed pack keeps), so the same
 // bits; a quarter of the instructions, which at 5 rows were ~70 a row and block of 16 weight rows
@@ -666,6 +676,100 @@ void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
         for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
           const int mb = (int)((p0 + rows - m0) / (n_mb - i));
           KernelI8v16::rows(a, xw, corr, m0, mb, 16 * b);
+          m0 += mb;
+        }
+    });
+  }
+}
+
+// int4 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5), in the AMX build's tall blocks (pack: _int4_tiles, 16
+// weight rows x 64 columns in 512 bytes, byte (r, n, j) holding column 4r + j in its low nibble and 32 + 4r + j in
+// its high one): a 64-byte line masked (or shifted, then masked) is 4 columns of 16 weight rows, the unsigned operand
+// of vpdpbusd as in KernelI8v16, with no +128 to take out. Per (row, group) the high and low bytes' sums H and L
+// start at 0 (exact: at most 128 x 15 x 256); then add_group, the AMX tiles' own step, in group order: the same bits
+// as the AMX build. One row keeps two chains of sums (even and odd lines), as KernelI8v16.
+struct KernelI4v16 {
+#define I4_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, xsum: (M,
+  // groups) the rows' group sums of their 16-bit integers
+  template <int MB>
+  static void block(const Lin& a, const int32_t* xw, const float* xsum, int64_t m0, int64_t n0) {
+    const int64_t per = a.G / 32, step = 2 * a.M;  // 32-column steps a group; words from 4 columns to the next
+    const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
+    const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
+    const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 c0, c1, c2, c3, c4, c5;
+    __m512i h0, l0, h1, l1, h2, l2, h3, l3, h4, l4, h5, l5;
+#define I4_ZERO(i) if (MB > i) c##i = _mm512_setzero_ps();
+    I4_ZERO(0) I4_ZERO(1) I4_ZERO(2) I4_ZERO(3) I4_ZERO(4) I4_ZERO(5)
+#undef I4_ZERO
+    for (int64_t g = 0; g < a.groups; g++) {
+      h0 = l0 = h1 = l1 = h2 = l2 = h3 = l3 = h4 = l4 = h5 = l5 = _mm512_setzero_si512();
+      for (int64_t s = 0; s < per; s++) {
+        const int64_t kb = g * per + s;  // 32 columns: the low nibbles of a 512-byte piece, then its high ones
+        const char* p = w + (kb >> 1) * 512;
+        if (!(kb & 1))
+          for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l + PREFETCH_AHEAD, _MM_HINT_T1);
+        const int32_t* x = xw + 8 * kb * step + 2 * m0;
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+          __m512i v = _mm512_load_si512(p + 64 * r);
+          if (kb & 1) v = _mm512_srli_epi16(v, 4);
+          const __m512i wv = _mm512_and_si512(v, nibble);
+          if (MB == 1) {
+            if (r & 1) { I4_MADD(h1, wv, x[0]); I4_MADD(l1, wv, x[1]); }
+            else { I4_MADD(h0, wv, x[0]); I4_MADD(l0, wv, x[1]); }
+          }
+#define I4_ROW(i) if (MB > i && MB > 1) { I4_MADD(h##i, wv, x[2 * i]); I4_MADD(l##i, wv, x[2 * i + 1]); }
+          I4_ROW(0) I4_ROW(1) I4_ROW(2) I4_ROW(3) I4_ROW(4) I4_ROW(5)
+#undef I4_ROW
+          x += step;
+        }
+      }
+      if (MB == 1) h0 = _mm512_add_epi32(h0, h1), l0 = _mm512_add_epi32(l0, l1);
+      const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+#define I4_GROUP(i) if (MB > i) c##i = add_group(c##i, h##i, l##i, sc, of, xsum[(m0 + i) * a.groups + g]);
+      I4_GROUP(0) I4_GROUP(1) I4_GROUP(2) I4_GROUP(3) I4_GROUP(4) I4_GROUP(5)
+#undef I4_GROUP
+    }
+#define I4_OUT(i) if (MB > i) finish16(a, m0 + i, n0, c##i);
+    I4_OUT(0) I4_OUT(1) I4_OUT(2) I4_OUT(3) I4_OUT(4) I4_OUT(5)
+#undef I4_OUT
+  }
+#undef I4_MADD
+  static void rows(const Lin& a, const int32_t* xw, const float* xsum, int64_t m0, int mb, int64_t n0) {
+    switch (mb) {
+      case 1: block<1>(a, xw, xsum, m0, n0); break;
+      case 2: block<2>(a, xw, xsum, m0, n0); break;
+      case 3: block<3>(a, xw, xsum, m0, n0); break;
+      case 4: block<4>(a, xw, xsum, m0, n0); break;
+      case 5: block<5>(a, xw, xsum, m0, n0); break;
+      default: block<6>(a, xw, xsum, m0, n0); break;
+    }
+  }
+};
+
+// int4 in tall blocks on AVX-512 VNNI: as run_i8v16; xsum (M, groups): each row's group sums of a.xq, exact
+void run_i4v16(const Lin& a, const int32_t* xw) {
+  static thread_local std::vector<float> sums;
+  sums.resize(a.M * a.groups);
+  for (int64_t m = 0; m < a.M; m++)
+    for (int64_t g = 0; g < a.groups; g++) {
+      int32_t t = 0;  // at most 256 x 32639
+      for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) t += a.xq[m * a.K + k];
+      sums[m * a.groups + g] = (float)t;
+    }
+  const float* xsum = sums.data();
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1));
+  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, a.M - p0);
+    const int64_t n_mb = (rows + 5) / 6;
+    at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b++)
+        for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
+          const int mb = (int)((p0 + rows - m0) / (n_mb - i));
+          KernelI4v16::rows(a, xw, xsum, m0, mb, 16 * b);
           m0 += mb;
         }
     });
@@ -1057,14 +1161,10 @@ inline void int4_b_tile(const char* p, int64_t kb, uint8_t* dst) {
   }
 }
 
-// one (row, group) of int4 sums into its accumulator: the group's exact integer dot product (256 hi + lo, hi and lo
-// the tiles' sums of the high and the low bytes) times the scale, plus the offset times the group's sum of x; every
-// int4 tile path adds its groups through this, in group order, so every M gives the same bits
+// add_group on the tiles' stored sums
 __attribute__((always_inline)) inline __m512 add_group(__m512 acc, const int32_t* hi, const int32_t* lo, __m512 scale,
                                                        __m512 offset, float xsum) {
-  const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi), 8), _mm512_load_si512(lo));
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
-  return _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum), acc);
+  return add_group(acc, _mm512_load_si512(hi), _mm512_load_si512(lo), scale, offset, xsum);
 }
 
 // one weight block (16 rows from n0) x the C activation rows m0.. of one panel (xb: its 2C + 1 rows of bytes, xsum:
@@ -1936,9 +2036,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  TORCH_CHECK(w.size(2) == 4 || (K <= 65536 && (i8v16 ? level == AVX512BF16 : level == AMX && wt != W_F32)),
-              "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs, and int8 on "
-              "AVX-512 VNNI ones without AMX (kernels.pack made them here)");
+  TORCH_CHECK(w.size(2) == 4 || (K <= 65536 && (i8v16 ? level == AVX512BF16
+                                                     : wt == W_I4 ? level >= AVX512BF16 : level == AMX && wt != W_F32)),
+              "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs, and int8 and "
+              "int4 on AVX-512 VNNI ones without AMX (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
   a.int4i = int4i;
@@ -1948,7 +2049,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     sc = *scales;
     a.scales = sc.data_ptr<float>();
   }
-  const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall && !i8v16, amx_i4 = wt == W_I4 && tall;
+  // int4 in tall blocks: the AMX tiles (run_amx_i4), or KernelI4v16 on AVX-512 VNNI without AMX
+  const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall && !i8v16, tall_i4 = wt == W_I4 && tall;
   // int8 on AVX-512-BF16 without AMX (Zen 4, Zen 5): integer dot products (KernelI8v16 in 16-row blocks, else
   // KernelI8x512), as AVX2 and AMX do
   const bool int8_vnni = wt == W_I8 && level == AVX512BF16;
@@ -1956,12 +2058,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     // (N, groups), or for tall int4 blocks also (N / 16, groups, 16): each block's scales for a group side by side
     const bool tiled = sc.dim() == 3;
     TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == sc.sizes() &&
-                (tiled ? amx_i4 && sc.size(0) * 16 == N && sc.size(2) == 16 : sc.dim() == 2 && sc.size(0) == N) &&
+                (tiled ? tall_i4 && sc.size(0) * 16 == N && sc.size(2) == 16 : sc.dim() == 2 && sc.size(0) == N) &&
                 K % sc.size(1) == 0 && (K / sc.size(1)) % 32 == 0,
                 "eagle_fast::linear: int4 scales and offsets must be fp32 (N, K / groupsize) (or tile_groups' "
                 "(N / 16, K / groupsize, 16) for tall blocks), groupsize a multiple of 32");
     of = *offsets;
-    if (amx_i4 && !tiled) {  // the tiles read a block's 16 scales of a group at once: laid out so, for this call
+    if (tall_i4 && !tiled) {  // the tiles read a block's 16 scales of a group at once: laid out so, for this call
       sc = sc.view({N / 16, 16, sc.size(1)}).transpose(1, 2).contiguous();
       of = of.view({N / 16, 16, of.size(1)}).transpose(1, 2).contiguous();
       a.scales = sc.data_ptr<float>();
@@ -1991,10 +2093,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.out = out.data_ptr();
   if (M == 0) return out;
   // int8 and int4 in tall blocks (pack made them on an AMX CPU): the integer tiles, x rounded to 16 bits, any x dtype
-  TORCH_CHECK(!amx_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
+  TORCH_CHECK(!tall_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
   at::Tensor xb;
-  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8 && !amx_i4 && !int8_vnni) {  // BF16 dot products
+  if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8 && !tall_i4 && !int8_vnni) {  // BF16 dot products
     xb = x.contiguous();
     if (wt == W_I4) {  // x in the nibbles' order: each 32 columns as evens, then odds
       xb = xb.clone();
@@ -2023,7 +2125,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
-  if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || amx_i4) {  // integer dot products (KernelI8, KernelI8x512, AMX tiles), x rounded straight
+  if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || tall_i4) {  // integer dot products (KernelI8, KernelI8x512, AMX tiles), x rounded straight
     // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
@@ -2038,19 +2140,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     xbuf.resize(M * K + 32);
     int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
     // int4 tiles and KernelI8v16: x = 256 hi + lo with both bytes signed (panel_bytes, i8v16_words)
-    const float qmax = amx_i4 || i8v16 ? 32639.0f : 32767.0f;
+    const float qmax = tall_i4 || i8v16 ? 32639.0f : 32767.0f;
     if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
     a.xq = xq, a.xs = xs.data();
-    if (i8v16) {
+    if (i8v16 || (tall_i4 && level == AVX512BF16)) {
       static thread_local std::vector<int32_t> words, corr;
       int32_t* xw = scratch64(words, M * K / 2);
       corr.resize(2 * M);
       i8v16_words(xq, M, K, xw, corr.data());
-      run_i8v16(a, xw, corr.data());
+      if (i8v16) run_i8v16(a, xw, corr.data());
+      else run_i4v16(a, xw);
       return out;
     }
-    if (amx_i4) run_amx_i4(a);
+    if (tall_i4) run_amx_i4(a);
     else if (level == AVX512BF16) run_linear<KernelI8x512>(a, 6);
     else if (level == AVX2VNNI) run_linear<KernelI8<true>>(a, KernelI8<true>::MAX_MB);
     else run_linear<KernelI8<false>>(a, KernelI8<false>::MAX_MB);
@@ -2995,8 +3098,8 @@ def can_pack(weight: Tensor) -> bool:
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
     (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); bf16, int8 and int4 on AMX (block_rows 16) as the tiles' B
-    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles); int8 on AVX-512-BF16 CPUs
-    without AMX as uint8 (N/16, K/64, 16, 64) (_vnni_lines). The same numbers, re-laid so that the kernel reads each
+    operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles); on AVX-512-BF16 CPUs
+    without AMX int8 as uint8 (N/16, K/64, 16, 64) (_vnni_lines) and int4 as on AMX. The same numbers, re-laid so that the kernel reads each
     block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
@@ -3038,13 +3141,13 @@ def on_huge_pages(t: Tensor) -> bool:
 
 def block_rows(weight: Tensor) -> int:
     """Rows of pack()'s blocks: 16 for bf16, int8 and int4 weights where the AMX build runs (N % 16 == 0, K % 64 ==
-    0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles), and for int8 ones where the AVX-512-BF16 build
-    runs (_vnni_lines: 16 output columns in a register); else 4."""
+    0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles), and for int8 and int4 ones where the AVX-512-BF16
+    build runs (_vnni_lines, _int4_tiles: 16 output columns in a register); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
     tall = (weight.dtype in (torch.bfloat16, torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0
             and K <= 65536 and K % 64 == 0)
-    vnni = weight.dtype == torch.int8 and isa() == "avx512_bf16"
+    vnni = weight.dtype in (torch.int8, torch.uint8) and isa() == "avx512_bf16"
     return 16 if tall and load() and (isa() == "amx" or vnni) else 4
 
 

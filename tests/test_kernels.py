@@ -226,14 +226,15 @@ def test_bf16_tiles_layout_on_amx():
 
 
 @pytest.mark.parametrize("G", [32, 256])
-def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
-    """The AMX build multiplies int4 weights (tall blocks) by x rounded to 16-bit integers a row, exact integer sums a
-    group, then scale and offset: the outputs are those of round_rows16(x, 32639) @ the dequantized weight, to fp32's
-    rounding, at every M (32-column groups up to 4 rows: two groups a product, each in its own half of K; one tile
-    of 2c rows up to 7 rows, two tiles of up to 16 above), at the largest products
-    (no integer overflow; x = +-32639 splits into signed bytes), with a row of zeros and rows holding a NaN or an inf."""
-    if kernels.isa() != "amx":
-        pytest.skip("the AMX build's int4 path (a Xeon with AMX tiles)")
+def test_int4_in_tall_blocks_sums_rows_rounded_to_16_bits(G):
+    """The AMX and AVX-512-BF16 builds multiply int4 weights (tall blocks) by x rounded to 16-bit integers a row, exact
+    integer sums a group, then scale and offset: the outputs are those of round_rows16(x, 32639) @ the dequantized
+    weight, to fp32's rounding, at every M (AMX: 32-column groups up to 4 rows two groups a product, each in its own
+    half of K; one tile of 2c rows up to 7 rows, two tiles of up to 16 above; AVX-512-BF16: KernelI4v16, one row in
+    two chains of sums, blocks of up to 6 rows), at the largest products (no integer overflow; x = +-32639 splits
+    into signed bytes), with a row of zeros and rows holding a NaN or an inf."""
+    if kernels.isa() not in ("amx", "avx512_bf16"):
+        pytest.skip("the int4 tall blocks of the AMX and AVX-512-BF16 builds")
     g = torch.Generator().manual_seed(5)
     N, K = 96, 1536  # 6 blocks of 16 rows: both threads, one block left over for the two-block steps
     nibbles = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
@@ -273,11 +274,12 @@ def test_int4_on_amx_sums_rows_rounded_to_16_bits(G):
         kernels.linear(x[:1], packed, None, tiled_scales[:-1].contiguous(), tiled_offsets[:-1].contiguous())
 
 
-def test_int4_tiles_layout_on_amx():
-    """On AMX, pack() lays int4 weights out as B tiles (16 rows x 64 columns in 512 bytes; _int4_tiles), which
-    unpack() and packed_rows() read back; N % 16 != 0 keeps the 4-row layout; group sizes above 256 are one error."""
-    if kernels.isa() != "amx":
-        pytest.skip("the int4 tile layout is the AMX build's")
+def test_int4_tiles_layout_on_amx_and_avx512_bf16():
+    """On AMX and AVX-512-BF16, pack() lays int4 weights out as B tiles (16 rows x 64 columns in 512 bytes;
+    _int4_tiles), which unpack() and packed_rows() read back; N % 16 != 0 keeps the 4-row layout; group sizes above
+    256 are one error."""
+    if kernels.isa() not in ("amx", "avx512_bf16"):
+        pytest.skip("the int4 tile layout is the AMX and AVX-512-BF16 builds'")
     g = torch.Generator().manual_seed(6)
     nibbles = torch.randint(0, 256, (48, 320), generator=g, dtype=torch.uint8)
     tall = kernels.pack(nibbles)
