@@ -39,7 +39,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # at ~1.25x the linears' one-token time and 1 + 4 at ~1.5x; on MT-bench 1.35-1.37x plain against 1.25-1.28x.
 # int4i (int8 arithmetic, no groups in the tiles) keeps 4 nodes: MT-bench 1.44-1.46x plain; 3 nodes 1.43x, 6 1.36x.
 # int8 on AVX-512-BF16 without AMX (a Zen 4: each extra row of the 512-bit integer dot products costs ~0.7 ms a
-# cycle) takes 3 nodes too: MT-bench, interleaved, 3 nodes against 4 +2.5 to +4.4% tokens/s (docs/performance.md).
+# cycle) takes 3 nodes too: MT-bench, interleaved, 3 nodes against 4 +2.5 to +4.4% tokens/s (docs/performance.md);
+# and so does int4 there (the same integer dot products plus each group's scale and offset: 1.13x plain against
+# 1.09x with 4 nodes, MT-bench, interleaved).
 # default_tree() picks; the flags override it.
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
@@ -548,7 +550,8 @@ def build_parser():
     p.add_argument("--tree", default="dynamic", choices=["chain", "static", "dynamic"], help="draft tree shape")
 
     def sizes(key):
-        small = (f", {SMALL_TREE[key]} for int4 weights on AMX CPUs and int8 ones on AVX-512-BF16 CPUs without AMX"
+        small = (f", {SMALL_TREE[key]} for int4 weights on AMX CPUs and int8 and int4 ones on AVX-512-BF16 CPUs "
+                 "without AMX"
                  if SMALL_TREE[key] != TREE[key] else "")
         return f"(default: {WIDE_TREE[key]} for bf16 weights on AMX CPUs and on CUDA{small}, else {TREE[key]})"
     p.add_argument("--depth", type=int, default=None, help=f"dynamic tree: draft depth {sizes('depth')}")
@@ -720,7 +723,7 @@ def default_tree(device, weights) -> dict:
     """The draft tree sizes that decode fastest for these weights ("bfloat16", "int4.g32", ...) here (TREE's note)."""
     if torch.device(device).type == "cuda" or (weights == "bfloat16" and kernels.isa() == "amx"):
         return WIDE_TREE
-    if (weights.startswith("int4.") and kernels.isa() == "amx") or (
+    if (weights.startswith("int4.") and kernels.isa() in ("amx", "avx512_bf16")) or (
             weights.startswith("int8") and kernels.isa() == "avx512_bf16"):
         return SMALL_TREE
     return TREE

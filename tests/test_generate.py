@@ -363,14 +363,15 @@ def test_auto_quant_writes_int8_weights_on_first_use(tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("isa, device, weights, tree", [
     ("amx", "cpu", "bfloat16", gen.WIDE_TREE), ("amx", "cpu", "int4.g32", gen.SMALL_TREE),
     ("amx", "cpu", "int4.g32.head8", gen.SMALL_TREE), ("amx", "cpu", "int8.head8", gen.TREE),
-    ("amx", "cpu", "float32", gen.TREE), ("avx512_bf16", "cpu", "int4.g32", gen.TREE),
+    ("amx", "cpu", "float32", gen.TREE), ("avx512_bf16", "cpu", "int4.g32", gen.SMALL_TREE),
+    ("avx512_bf16", "cpu", "int4i.head8", gen.TREE), ("avx2", "cpu", "int4.g32", gen.TREE),
     ("avx512_bf16", "cpu", "int8.head8", gen.SMALL_TREE), ("avx512_bf16", "cpu", "int8", gen.SMALL_TREE),
     ("avx2", "cpu", "int8.head8", gen.TREE), ("avx512", "cpu", "int8", gen.TREE),
     ("avx512_bf16", "cpu", "bfloat16", gen.TREE), ("avx2", "cpu", "bfloat16", gen.TREE),
     ("fallback", "cuda", "bfloat16", gen.WIDE_TREE), ("fallback", "cuda", "int4.g32", gen.WIDE_TREE)])
 def test_default_tree_follows_the_verification_cost(monkeypatch, isa, device, weights, tree):
     """The 8-node tree only where a 9-token verification costs about one step (AMX bf16, CUDA), 3 nodes for int4 on
-    AMX (its tiles' cheap rows end at 4) and for int8 on AVX-512-BF16 without AMX (each row costs); flags given
+    AMX (its tiles' cheap rows end at 4) and for int8 and int4 on AVX-512-BF16 without AMX (each row costs); flags given
     override their defaults, and a default --total_tokens shrinks to what a given --depth allows."""
     monkeypatch.setattr(kernels, "isa", lambda: isa)
     parse = gen.build_parser().parse_args
