@@ -26,7 +26,8 @@ text's noise of the float activations' 9.50-9.56); the AVX-512-BF16 build withou
 two signed bytes a value), by vpdpbusd on weights that pack lays out 16 rows to a register, each byte + 128; on AMX
 the same integers go through the int8 tiles, a high and a low byte, against int8 and int4 weights that pack lays out
 as the tiles' B operand: int8 outputs are the exact integer dot products rounded to fp32 once, int4 ones exact
-integer sums a group, then scale and offset. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
+integer sums a group, then scale and offset (on AVX-512-BF16 without AMX int4 the same way, its tile bytes read by
+vpdpbusd: the AMX build's bits). EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
@@ -36,7 +37,8 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
         and AVX-512-BF16 builds and AMX's tall blocks round x to 16 bits a row for these: round_rows16; pack's
         int8 lines for AVX-512-BF16 are uint8 q + 128), or uint8 int4 nibbles (N, K/2)
-        with scales and offsets (N, K/G) (w = q * scale + offset; AMX's tall blocks: x rounded likewise); -> (M, N)
+        with scales and offsets (N, K/G) (w = q * scale + offset; tall blocks (AMX, AVX-512-BF16): x rounded
+        likewise); -> (M, N)
         in x's dtype, plus residual (M, N) in x's dtype if given (the sum rounded again, as eager adds)
     torch.ops.eagle_fast.attention(q, k, v, mask)
         q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
@@ -2092,7 +2094,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   at::Tensor out = at::detail::empty_cpu({M, N}, x.scalar_type());  // not through the dispatcher (at::empty)
   a.out = out.data_ptr();
   if (M == 0) return out;
-  // int8 and int4 in tall blocks (pack made them on an AMX CPU): the integer tiles, x rounded to 16 bits, any x dtype
+  // int8 and int4 in tall blocks (pack made them on an AMX CPU; int4 also on an AVX-512-BF16 one): integer dot
+  // products, x rounded to 16 bits, any x dtype
   TORCH_CHECK(!tall_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
   at::Tensor xb;
@@ -2125,7 +2128,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // odds); bf16 ones are widened here, into a buffer of this call, rather than by a tensor op (~5 us a call)
   const bool permuted = wt == W_I4 || (wt == W_BF16 && level < AVX512);
   const at::Tensor xc = x.contiguous();
-  if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || tall_i4) {  // integer dot products (KernelI8, KernelI8x512, AMX tiles), x rounded straight
+  // integer dot products (KernelI8, KernelI8x512, KernelI8v16, KernelI4v16, AMX tiles), x rounded straight
+  if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || tall_i4) {
     // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
     // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
     static thread_local std::vector<int16_t> xbuf;
@@ -2139,7 +2143,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     }
     xbuf.resize(M * K + 32);
     int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
-    // int4 tiles and KernelI8v16: x = 256 hi + lo with both bytes signed (panel_bytes, i8v16_words)
+    // int4 in tall blocks and KernelI8v16: x = 256 hi + lo with both bytes signed (panel_bytes, i8v16_words)
     const float qmax = tall_i4 || i8v16 ? 32639.0f : 32767.0f;
     if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
     else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
@@ -2262,11 +2266,9 @@ inline void vload64(const E* p, int64_t chunks, __m512 (&x)[4]) {
   }
 }
 
-// Softmax in fp32, then the weighted sums of the slots' V rows, for R query rows that see the same slots (the query
-// heads of one KV head at one position): each V row is loaded and converted once for the R rows, and each row's sum
-// is the one it gets alone. V is summed in two accumulators a 16-column chunk (even and odd ranks): one chain of
-// dependent multiply-adds a chunk waited on their latency.
-// one pass over the slots for 64 columns from d0 (FULL: all 64, else chunks of 16 < 4)
+// softmax_v512's pass over the slots for 64 columns from d0 (FULL: all 64, else chunks of 16 < 4). V is summed in
+// two accumulators a 16-column chunk (even and odd ranks): one chain of dependent multiply-adds a chunk waited on
+// their latency.
 template <typename E, int R, bool FULL>
 void v_pass512(const E* v, int64_t D, float* const* scores, const int64_t* slots, int64_t n, const float* inv,
                int64_t d0, float* const* out) {
@@ -2308,8 +2310,7 @@ void v_pass512(const E* v, int64_t D, float* const* scores, const int64_t* slots
 
 // Softmax in fp32, then the weighted sums of the slots' V rows, for R query rows that see the same slots (the query
 // heads of one KV head at one position): each V row is loaded and converted once for the R rows, and each row's sum
-// is the one it gets alone. V is summed in two accumulators a 16-column chunk (even and odd ranks): one chain of
-// dependent multiply-adds a chunk waited on their latency.
+// is the one it gets alone.
 template <typename E, int R>
 void softmax_v512(const E* v, int64_t D, float* const* scores, const int64_t* slots, int64_t n, float* const* out) {
   float inv[R];
@@ -3099,8 +3100,8 @@ def pack(weight: Tensor) -> Tensor:
     """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
     (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); bf16, int8 and int4 on AMX (block_rows 16) as the tiles' B
     operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles); on AVX-512-BF16 CPUs
-    without AMX int8 as uint8 (N/16, K/64, 16, 64) (_vnni_lines) and int4 as on AMX. The same numbers, re-laid so that the kernel reads each
-    block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
+    without AMX int8 as uint8 (N/16, K/64, 16, 64) (_vnni_lines) and int4 as on AMX. The same numbers, re-laid so
+    that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight)
     if weight.dtype == torch.uint8 and R == 16:
