@@ -689,7 +689,9 @@ void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
 // its high one): a 64-byte line masked (or shifted, then masked) is 4 columns of 16 weight rows, the unsigned operand
 // of vpdpbusd as in KernelI8v16, with no +128 to take out. Per (row, group) the high and low bytes' sums H and L
 // start at 0 (exact: at most 128 x 15 x 256); then add_group, the AMX tiles' own step, in group order: the same bits
-// as the AMX build. One row keeps two chains of sums (even and odd lines), as KernelI8v16.
+// as the AMX build. 32-column groups go two at a time (a piece's low and high nibbles, one load a line: 5 rows 0.94x
+// the time of a group at a time, 1 row 0.93-0.99x), blocks of up to 5 rows (20 sums and 5 accumulators in
+// registers); larger groups one at a time, one row in two chains of sums (even and odd lines), as KernelI8v16.
 struct KernelI4v16 {
 #define I4_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
   // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, xsum: (M,
@@ -701,42 +703,71 @@ struct KernelI4v16 {
     const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
     const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
     const __m512i nibble = _mm512_set1_epi8(15);
-    __m512 c0, c1, c2, c3, c4, c5;
-    __m512i h0, l0, h1, l1, h2, l2, h3, l3, h4, l4, h5, l5;
+    __m512 c0, c1, c2, c3, c4;
+    __m512i h0, l0, h1, l1, h2, l2, h3, l3, h4, l4;
 #define I4_ZERO(i) if (MB > i) c##i = _mm512_setzero_ps();
-    I4_ZERO(0) I4_ZERO(1) I4_ZERO(2) I4_ZERO(3) I4_ZERO(4) I4_ZERO(5)
+    I4_ZERO(0) I4_ZERO(1) I4_ZERO(2) I4_ZERO(3) I4_ZERO(4)
 #undef I4_ZERO
-    for (int64_t g = 0; g < a.groups; g++) {
-      h0 = l0 = h1 = l1 = h2 = l2 = h3 = l3 = h4 = l4 = h5 = l5 = _mm512_setzero_si512();
-      for (int64_t s = 0; s < per; s++) {
-        const int64_t kb = g * per + s;  // 32 columns: the low nibbles of a 512-byte piece, then its high ones
-        const char* p = w + (kb >> 1) * 512;
-        if (!(kb & 1))
-          for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l + PREFETCH_AHEAD, _MM_HINT_T1);
-        const int32_t* x = xw + 8 * kb * step + 2 * m0;
+    if (per == 1) {  // 32-column groups: both groups of a 512-byte piece from one load of each line
+      __m512i g0, k0, g1, k1, g2, k2, g3, k3, g4, k4;  // the odd group's high and low sums
+      for (int64_t g = 0; g < a.groups; g += 2) {
+        h0 = l0 = h1 = l1 = h2 = l2 = h3 = l3 = h4 = l4 = _mm512_setzero_si512();
+        g0 = k0 = g1 = k1 = g2 = k2 = g3 = k3 = g4 = k4 = _mm512_setzero_si512();
+        const char* p = w + (g >> 1) * 512;
+        for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l + PREFETCH_AHEAD, _MM_HINT_T1);
+        const int32_t* x = xw + 8 * g * step + 2 * m0;
+        const int32_t* y = x + 8 * step;
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
-          __m512i v = _mm512_load_si512(p + 64 * r);
-          if (kb & 1) v = _mm512_srli_epi16(v, 4);
-          const __m512i wv = _mm512_and_si512(v, nibble);
-          if (MB == 1) {
-            if (r & 1) { I4_MADD(h1, wv, x[0]); I4_MADD(l1, wv, x[1]); }
-            else { I4_MADD(h0, wv, x[0]); I4_MADD(l0, wv, x[1]); }
-          }
-#define I4_ROW(i) if (MB > i && MB > 1) { I4_MADD(h##i, wv, x[2 * i]); I4_MADD(l##i, wv, x[2 * i + 1]); }
-          I4_ROW(0) I4_ROW(1) I4_ROW(2) I4_ROW(3) I4_ROW(4) I4_ROW(5)
-#undef I4_ROW
-          x += step;
+          const __m512i v = _mm512_load_si512(p + 64 * r);
+          const __m512i wa = _mm512_and_si512(v, nibble), wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+#define I4_PAIR(i, hh, ll) if (MB > i) { I4_MADD(h##i, wa, x[2 * i]); I4_MADD(l##i, wa, x[2 * i + 1]); \
+                                         I4_MADD(hh, wb, y[2 * i]); I4_MADD(ll, wb, y[2 * i + 1]); }
+          I4_PAIR(0, g0, k0) I4_PAIR(1, g1, k1) I4_PAIR(2, g2, k2) I4_PAIR(3, g3, k3) I4_PAIR(4, g4, k4)
+#undef I4_PAIR
+          x += step, y += step;
         }
-      }
-      if (MB == 1) h0 = _mm512_add_epi32(h0, h1), l0 = _mm512_add_epi32(l0, l1);
-      const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
-#define I4_GROUP(i) if (MB > i) c##i = add_group(c##i, h##i, l##i, sc, of, xsum[(m0 + i) * a.groups + g]);
-      I4_GROUP(0) I4_GROUP(1) I4_GROUP(2) I4_GROUP(3) I4_GROUP(4) I4_GROUP(5)
+        __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+#define I4_GROUP(i, hh, ll, gg) if (MB > i) c##i = add_group(c##i, hh, ll, sc, of, xsum[(m0 + i) * a.groups + gg]);
+        I4_GROUP(0, h0, l0, g) I4_GROUP(1, h1, l1, g) I4_GROUP(2, h2, l2, g) I4_GROUP(3, h3, l3, g) I4_GROUP(4, h4, l4, g)
+        sc = _mm512_loadu_ps(bsc + 16 * (g + 1)), of = _mm512_loadu_ps(bof + 16 * (g + 1));
+        I4_GROUP(0, g0, k0, g + 1) I4_GROUP(1, g1, k1, g + 1) I4_GROUP(2, g2, k2, g + 1) I4_GROUP(3, g3, k3, g + 1)
+        I4_GROUP(4, g4, k4, g + 1)
 #undef I4_GROUP
+      }
+    } else {
+      for (int64_t g = 0; g < a.groups; g++) {
+        h0 = l0 = h1 = l1 = h2 = l2 = h3 = l3 = h4 = l4 = _mm512_setzero_si512();
+        for (int64_t s = 0; s < per; s++) {
+          const int64_t kb = g * per + s;  // 32 columns: the low nibbles of a 512-byte piece, then its high ones
+          const char* p = w + (kb >> 1) * 512;
+          if (!(kb & 1))
+            for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l + PREFETCH_AHEAD, _MM_HINT_T1);
+          const int32_t* x = xw + 8 * kb * step + 2 * m0;
+#pragma GCC unroll 8
+          for (int r = 0; r < 8; r++) {
+            __m512i v = _mm512_load_si512(p + 64 * r);
+            if (kb & 1) v = _mm512_srli_epi16(v, 4);
+            const __m512i wv = _mm512_and_si512(v, nibble);
+            if (MB == 1) {
+              if (r & 1) { I4_MADD(h1, wv, x[0]); I4_MADD(l1, wv, x[1]); }
+              else { I4_MADD(h0, wv, x[0]); I4_MADD(l0, wv, x[1]); }
+            }
+#define I4_ROW(i) if (MB > i && MB > 1) { I4_MADD(h##i, wv, x[2 * i]); I4_MADD(l##i, wv, x[2 * i + 1]); }
+            I4_ROW(0) I4_ROW(1) I4_ROW(2) I4_ROW(3) I4_ROW(4)
+#undef I4_ROW
+            x += step;
+          }
+        }
+        if (MB == 1) h0 = _mm512_add_epi32(h0, h1), l0 = _mm512_add_epi32(l0, l1);
+        const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+#define I4_GROUP(i) if (MB > i) c##i = add_group(c##i, h##i, l##i, sc, of, xsum[(m0 + i) * a.groups + g]);
+        I4_GROUP(0) I4_GROUP(1) I4_GROUP(2) I4_GROUP(3) I4_GROUP(4)
+#undef I4_GROUP
+      }
     }
 #define I4_OUT(i) if (MB > i) finish16(a, m0 + i, n0, c##i);
-    I4_OUT(0) I4_OUT(1) I4_OUT(2) I4_OUT(3) I4_OUT(4) I4_OUT(5)
+    I4_OUT(0) I4_OUT(1) I4_OUT(2) I4_OUT(3) I4_OUT(4)
 #undef I4_OUT
   }
 #undef I4_MADD
@@ -746,13 +777,13 @@ struct KernelI4v16 {
       case 2: block<2>(a, xw, xsum, m0, n0); break;
       case 3: block<3>(a, xw, xsum, m0, n0); break;
       case 4: block<4>(a, xw, xsum, m0, n0); break;
-      case 5: block<5>(a, xw, xsum, m0, n0); break;
-      default: block<6>(a, xw, xsum, m0, n0); break;
+      default: block<5>(a, xw, xsum, m0, n0); break;
     }
   }
 };
 
-// int4 in tall blocks on AVX-512 VNNI: as run_i8v16; xsum (M, groups): each row's group sums of a.xq, exact
+// int4 in tall blocks on AVX-512 VNNI: as run_i8v16, blocks of up to 5 rows; xsum (M, groups): each row's group sums
+// of a.xq, exact
 void run_i4v16(const Lin& a, const int32_t* xw) {
   static thread_local std::vector<float> sums;
   sums.resize(a.M * a.groups);
@@ -766,7 +797,7 @@ void run_i4v16(const Lin& a, const int32_t* xw) {
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1));
   for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
     const int64_t rows = std::min<int64_t>(64, a.M - p0);
-    const int64_t n_mb = (rows + 5) / 6;
+    const int64_t n_mb = (rows + 4) / 5;
     at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; b++)
         for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
