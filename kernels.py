@@ -665,23 +665,31 @@ void i8v16_words(const int16_t* xq, int64_t M, int64_t K, int32_t* xw, int32_t* 
   }
 }
 
-// int8 weights in 16-row blocks on AVX-512 VNNI: each block meets the activation rows in blocks of at most 6, split
-// evenly (as run_linear); panels of 64 rows. (Two weight blocks a step, two streams, cost one row 1.14x the time
-// from DRAM and 5 rows the same as one block: not kept)
-void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1));
+// Weights in 16-row blocks on AVX-512 VNNI (KernelI8v16, KernelI4v16): each block meets the activation rows in
+// blocks of at most `most`, split evenly (as run_linear), rows(m0, mb, n0) running one; panels of 64 rows; the
+// threads take contiguous runs of blocks (grain blocks at least; an atomic counter handing out chunks of N/256 rows
+// instead cost 3-5 rows 1.2x the time: the streams lose their order)
+template <class Rows>
+void run_blocks16(const Lin& a, int most, int64_t grain, const Rows& rows) {
   for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
-    const int64_t rows = std::min<int64_t>(64, a.M - p0);
-    const int64_t n_mb = (rows + 5) / 6;
+    const int64_t count = std::min<int64_t>(64, a.M - p0), n_mb = (count + most - 1) / most;
     at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; b++)
         for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
-          const int mb = (int)((p0 + rows - m0) / (n_mb - i));
-          KernelI8v16::rows(a, xw, corr, m0, mb, 16 * b);
+          const int mb = (int)((p0 + count - m0) / (n_mb - i));
+          rows(m0, mb, 16 * b);
           m0 += mb;
         }
     });
   }
+}
+
+// int8: blocks of up to 6 rows. (Two weight blocks a step, two streams, cost one row 1.14x the time from DRAM and 5
+// rows the same as one block: not kept)
+void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
+  run_blocks16(a, 6, std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
+    KernelI8v16::rows(a, xw, corr, m0, mb, n0);
+  });
 }
 
 // int4 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5), in the AMX build's tall blocks (pack: _int4_tiles, 16
@@ -782,8 +790,7 @@ struct KernelI4v16 {
   }
 };
 
-// int4 in tall blocks on AVX-512 VNNI: as run_i8v16, blocks of up to 5 rows; xsum (M, groups): each row's group sums
-// of a.xq, exact
+// int4 in tall blocks on AVX-512 VNNI: blocks of up to 5 rows; xsum (M, groups): each row's group sums of a.xq, exact
 void run_i4v16(const Lin& a, const int32_t* xw) {
   static thread_local std::vector<float> sums;
   sums.resize(a.M * a.groups);
@@ -794,19 +801,9 @@ void run_i4v16(const Lin& a, const int32_t* xw) {
       sums[m * a.groups + g] = (float)t;
     }
   const float* xsum = sums.data();
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1));
-  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
-    const int64_t rows = std::min<int64_t>(64, a.M - p0);
-    const int64_t n_mb = (rows + 4) / 5;
-    at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; b++)
-        for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
-          const int mb = (int)((p0 + rows - m0) / (n_mb - i));
-          KernelI4v16::rows(a, xw, xsum, m0, mb, 16 * b);
-          m0 += mb;
-        }
-    });
-  }
+  run_blocks16(a, 5, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
+    KernelI4v16::rows(a, xw, xsum, m0, mb, n0);
+  });
 }
 #pragma GCC pop_options
 #pragma GCC push_options
