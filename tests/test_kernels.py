@@ -230,9 +230,10 @@ def test_int4_in_tall_blocks_sums_rows_rounded_to_16_bits(G):
     """The AMX and AVX-512-BF16 builds multiply int4 weights (tall blocks) by x rounded to 16-bit integers a row, exact
     integer sums a group, then scale and offset: the outputs are those of round_rows16(x, 32639) @ the dequantized
     weight, to fp32's rounding, at every M (AMX: 32-column groups up to 4 rows two groups a product, each in its own
-    half of K; one tile of 2c rows up to 7 rows, two tiles of up to 16 above; AVX-512-BF16: KernelI4v16, one row in
-    two chains of sums, blocks of up to 6 rows), at the largest products (no integer overflow; x = +-32639 splits
-    into signed bytes), with a row of zeros and rows holding a NaN or an inf."""
+    half of K; one tile of 2c rows up to 7 rows, two tiles of up to 16 above; AVX-512-BF16: KernelI4v16, 32-column
+    groups two a step, 256-column ones one at a time, one row in two chains of sums, blocks of up to 5 rows), at the
+    largest products (no integer overflow; x = +-32639 splits into signed bytes), with a row of zeros and rows
+    holding a NaN or an inf."""
     if kernels.isa() not in ("amx", "avx512_bf16"):
         pytest.skip("the int4 tall blocks of the AMX and AVX-512-BF16 builds")
     g = torch.Generator().manual_seed(5)
