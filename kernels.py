@@ -266,16 +266,28 @@ void run_linear(const Lin& a, int max_mb) {
   }
 }
 
-// 1-6 activation rows against a block of 4 weight rows in one pass (the AVX-512 kernels' rows())
-template <class Kernel>
-inline void one_block(const Lin& a, int64_t m0, int mb, int64_t n0) {
+// int4's group sums of M rows of 16-bit integers xq (K columns, a.G a group) into out (M, groups), exact: at most
+// 256 x 32767 a sum (the AMX tiles and KernelI4v16 add offset x this a group)
+inline void group_sums(const Lin& a, const int16_t* xq, int64_t M, float* out) {
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < a.groups; g++) {
+      int32_t t = 0;
+      for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) t += xq[m * a.K + k];
+      out[m * a.groups + g] = (float)t;
+    }
+}
+
+// 1-MAX (5 or 6) activation rows against a block of weight rows in one pass (the AVX-512 kernels' rows(), and the
+// 16-row blocks' runners, which pass their activation words on in `more`)
+template <class Kernel, int MAX = 6, typename... More>
+inline void one_block(const Lin& a, int64_t m0, int mb, int64_t n0, const More&... more) {
   switch (mb) {
-    case 1: Kernel::template block<1>(a, m0, n0); break;
-    case 2: Kernel::template block<2>(a, m0, n0); break;
-    case 3: Kernel::template block<3>(a, m0, n0); break;
-    case 4: Kernel::template block<4>(a, m0, n0); break;
-    case 5: Kernel::template block<5>(a, m0, n0); break;
-    default: Kernel::template block<6>(a, m0, n0); break;
+    case 1: Kernel::template block<1>(a, m0, n0, more...); break;
+    case 2: Kernel::template block<2>(a, m0, n0, more...); break;
+    case 3: Kernel::template block<3>(a, m0, n0, more...); break;
+    case 4: Kernel::template block<4>(a, m0, n0, more...); break;
+    case 5: Kernel::template block<5>(a, m0, n0, more...); break;
+    default: Kernel::template block<MAX>(a, m0, n0, more...); break;
   }
 }
 
@@ -584,12 +596,13 @@ struct KernelI8x512 {
 // of high (low) bytes, which takes the weights' +128 back out; the output is fl(fl(H) * 256 + fl(L)), then
 // finish16. One lane per output, in the same order whatever M is. (In L2, one thread, 768 x 576 at 5 rows: 19.7
 // against 22.7 us for KernelI8x512's loop, the vpdpbusd at 3.51 G/s of a 3.65 peak; docs/performance.md.)
-struct KernelI8v16 {
+// acc += the weight line w (64 unsigned bytes) times 4 signed bytes of a row broadcast from memory, in 16 int32 lanes
 #define V16_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
+struct KernelI8v16 {
   // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, corr: (M, 2)
   // the sums' starting values
   template <int MB>
-  static void block(const Lin& a, const int32_t* xw, const int32_t* corr, int64_t m0, int64_t n0) {
+  static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const int32_t* corr) {
     const int64_t G = a.K / 4, step = 2 * a.M;  // words from one 4 columns' to the next
     const char* w = a.w + n0 * a.K;  // block n0 / 16: 16 K bytes
     const int32_t* x = xw + 2 * m0;
@@ -624,17 +637,6 @@ struct KernelI8v16 {
     if (MB > i) finish16(a, m0 + i, n0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(h##i), s256, _mm512_cvtepi32_ps(l##i)));
     V16_OUT(0) V16_OUT(1) V16_OUT(2) V16_OUT(3) V16_OUT(4) V16_OUT(5)
 #undef V16_OUT
-  }
-#undef V16_MADD
-  static void rows(const Lin& a, const int32_t* xw, const int32_t* corr, int64_t m0, int mb, int64_t n0) {
-    switch (mb) {
-      case 1: block<1>(a, xw, corr, m0, n0); break;
-      case 2: block<2>(a, xw, corr, m0, n0); break;
-      case 3: block<3>(a, xw, corr, m0, n0); break;
-      case 4: block<4>(a, xw, corr, m0, n0); break;
-      case 5: block<5>(a, xw, corr, m0, n0); break;
-      default: block<6>(a, xw, corr, m0, n0); break;
-    }
   }
 };
 
@@ -688,7 +690,7 @@ void run_blocks16(const Lin& a, int most, int64_t grain, const Rows& rows) {
 // rows the same as one block: not kept)
 void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
   run_blocks16(a, 6, std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
-    KernelI8v16::rows(a, xw, corr, m0, mb, n0);
+    one_block<KernelI8v16>(a, m0, mb, n0, xw, corr);
   });
 }
 
@@ -701,11 +703,10 @@ void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
 // the time of a group at a time, 1 row 0.93-0.99x), blocks of up to 5 rows (20 sums and 5 accumulators in
 // registers); larger groups one at a time, one row in two chains of sums (even and odd lines), as KernelI8v16.
 struct KernelI4v16 {
-#define I4_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
   // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, xsum: (M,
   // groups) the rows' group sums of their 16-bit integers
   template <int MB>
-  static void block(const Lin& a, const int32_t* xw, const float* xsum, int64_t m0, int64_t n0) {
+  static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* xsum) {
     const int64_t per = a.G / 32, step = 2 * a.M;  // 32-column steps a group; words from 4 columns to the next
     const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
     const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
@@ -729,8 +730,8 @@ struct KernelI4v16 {
         for (int r = 0; r < 8; r++) {
           const __m512i v = _mm512_load_si512(p + 64 * r);
           const __m512i wa = _mm512_and_si512(v, nibble), wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-#define I4_PAIR(i, hh, ll) if (MB > i) { I4_MADD(h##i, wa, x[2 * i]); I4_MADD(l##i, wa, x[2 * i + 1]); \
-                                         I4_MADD(hh, wb, y[2 * i]); I4_MADD(ll, wb, y[2 * i + 1]); }
+#define I4_PAIR(i, hh, ll) if (MB > i) { V16_MADD(h##i, wa, x[2 * i]); V16_MADD(l##i, wa, x[2 * i + 1]); \
+                                         V16_MADD(hh, wb, y[2 * i]); V16_MADD(ll, wb, y[2 * i + 1]); }
           I4_PAIR(0, g0, k0) I4_PAIR(1, g1, k1) I4_PAIR(2, g2, k2) I4_PAIR(3, g3, k3) I4_PAIR(4, g4, k4)
 #undef I4_PAIR
           x += step, y += step;
@@ -758,10 +759,10 @@ struct KernelI4v16 {
             if (kb & 1) v = _mm512_srli_epi16(v, 4);
             const __m512i wv = _mm512_and_si512(v, nibble);
             if (MB == 1) {
-              if (r & 1) { I4_MADD(h1, wv, x[0]); I4_MADD(l1, wv, x[1]); }
-              else { I4_MADD(h0, wv, x[0]); I4_MADD(l0, wv, x[1]); }
+              if (r & 1) { V16_MADD(h1, wv, x[0]); V16_MADD(l1, wv, x[1]); }
+              else { V16_MADD(h0, wv, x[0]); V16_MADD(l0, wv, x[1]); }
             }
-#define I4_ROW(i) if (MB > i && MB > 1) { I4_MADD(h##i, wv, x[2 * i]); I4_MADD(l##i, wv, x[2 * i + 1]); }
+#define I4_ROW(i) if (MB > i && MB > 1) { V16_MADD(h##i, wv, x[2 * i]); V16_MADD(l##i, wv, x[2 * i + 1]); }
             I4_ROW(0) I4_ROW(1) I4_ROW(2) I4_ROW(3) I4_ROW(4)
 #undef I4_ROW
             x += step;
@@ -778,31 +779,17 @@ struct KernelI4v16 {
     I4_OUT(0) I4_OUT(1) I4_OUT(2) I4_OUT(3) I4_OUT(4)
 #undef I4_OUT
   }
-#undef I4_MADD
-  static void rows(const Lin& a, const int32_t* xw, const float* xsum, int64_t m0, int mb, int64_t n0) {
-    switch (mb) {
-      case 1: block<1>(a, xw, xsum, m0, n0); break;
-      case 2: block<2>(a, xw, xsum, m0, n0); break;
-      case 3: block<3>(a, xw, xsum, m0, n0); break;
-      case 4: block<4>(a, xw, xsum, m0, n0); break;
-      default: block<5>(a, xw, xsum, m0, n0); break;
-    }
-  }
 };
+#undef V16_MADD
 
 // int4 in tall blocks on AVX-512 VNNI: blocks of up to 5 rows; xsum (M, groups): each row's group sums of a.xq, exact
 void run_i4v16(const Lin& a, const int32_t* xw) {
   static thread_local std::vector<float> sums;
   sums.resize(a.M * a.groups);
-  for (int64_t m = 0; m < a.M; m++)
-    for (int64_t g = 0; g < a.groups; g++) {
-      int32_t t = 0;  // at most 256 x 32639
-      for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) t += a.xq[m * a.K + k];
-      sums[m * a.groups + g] = (float)t;
-    }
+  group_sums(a, a.xq, a.M, sums.data());
   const float* xsum = sums.data();
   run_blocks16(a, 5, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
-    KernelI4v16::rows(a, xw, xsum, m0, mb, n0);
+    one_block<KernelI4v16, 5>(a, m0, mb, n0, xw, xsum);
   });
 }
 #pragma GCC pop_options
@@ -1456,12 +1443,7 @@ void run_amx_i4(const Lin& a) {  // int4 in tall blocks; a.xq, a.xs: the rows ro
     else if (in_pairs) pair_bytes(a.xq + p0 * a.K, p.M, a.K, xb);
     else panel_bytes(a.xq + p0 * a.K, p.M, c, a.K, xb);
     xsum.assign(panels * c * a.groups, 0.0f);  // padding rows: zeros
-    for (int64_t m = 0; m < p.M; m++)
-      for (int64_t g = 0; g < a.groups; g++) {
-        int32_t s = 0;  // exact: at most 256 x 32767
-        for (int64_t k = g * a.G; k < (g + 1) * a.G; k++) s += a.xq[(p0 + m) * a.K + k];
-        xsum[m * a.groups + g] = (float)s;
-      }
+    group_sums(a, a.xq + p0 * a.K, p.M, xsum.data());
     const float* xs = xsum.data();
     if (in_pairs) {
       at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
