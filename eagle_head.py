@@ -26,7 +26,7 @@ import kernels
 from model import (Attention, FeedForward, KVCache, Linear, ModelArgs, RMSNorm, TransformerBlock, aligned,
                    args_from_hf_config, linear, pack_weights, permute_rotate_half, precompute_freqs_cis)
 from quantize import HEAD_CONFIG, HEAD_FILE, prepare, swap_modules  # noqa: F401 (the project layout's names)
-from quantize import Int4Linear, Int8Linear, QuantizeError, parse_name, quantize_head_weights, quantize_int8
+from quantize import Int4Linear, Int8Linear, QuantizeError, act_bits, parse_name, quantize_head_weights, quantize_int8
 
 
 # EAGLE-1's default tree for 7B models: each path lists child ranks (0 = the draft's top-1) from the root.
@@ -481,6 +481,8 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
                 mode, groupsize, head8 = parse_name(quantization)
                 if head8:
                     raise QuantizeError(f"{quantization!r}: a head has no .head8 variant (its LM head is one of its weights)")
+                if act_bits(quantization) == 8:
+                    raise QuantizeError(f"{quantization!r}: a head runs 16-bit activations (no .a8 variant)")
                 weights = quantize_head_weights(_load_weights(path / HEAD_FILE), mode, groupsize)
             except QuantizeError as e:
                 raise ValueError(f"draft head {path}: {e}") from None

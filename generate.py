@@ -23,7 +23,7 @@ from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, he
                         tree_ancestors, tree_attention_mask, tree_from_paths)
 from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, default_checkpoint,  # noqa: F401
                    default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
-from quantize import HEAD_CONFIG, load_quantized, parse_name, quantize_checkpoint, quantized_file
+from quantize import HEAD_CONFIG, act_bits, load_quantized, parse_name, quantize_checkpoint, quantized_file
 from tp import finish_distributed, init_distributed, shard_model
 from tokenizer import apply_chat_template, get_tokenizer, incremental_decoder
 
@@ -527,7 +527,8 @@ def build_parser():
                         "the small-M kernels run; float32 without them)")
     p.add_argument("--quant", default="auto",
                    help="a quantized variant written by quantize.py: int8, int4.g32 (g64, g128, g256), int4i, with .head8 "
-                        "when the LM head is int8 too; none: the float weights; auto (with --dtype auto): int8.head8 "
+                        "when the LM head is int8 too (int4.g32.a8: x rounded to 8 bits in groups of 32, on AVX-512 "
+                        "VNNI CPUs); none: the float weights; auto (with --dtype auto): int8.head8 "
                         "on CPUs whose kernels.py build is AVX2 only or has AMX tiles, written beside the checkpoint on "
                         "first use, the float weights elsewhere")
     p.add_argument("--device", default="cpu")
@@ -603,6 +604,8 @@ def check_args(args):
         try:
             if parse_name(args.draft_quant)[2]:
                 return f"--draft_quant {args.draft_quant!r}: a head has no .head8 variant (try int8)"
+            if act_bits(args.draft_quant) == 8:
+                return f"--draft_quant {args.draft_quant!r}: a head runs 16-bit activations (try int4.g32)"
         except ValueError as e:
             return f"--draft_quant: {e}"
     return check_tree(args)  # the flags given; again once resolve_defaults() has filled the rest

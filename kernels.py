@@ -57,8 +57,9 @@ MAX_M = 32  # query rows the attention kernel takes (decode, draft and verify st
 # version, and a change to an op's output must bump it (a graph cached before the attention's output became
 # (B, T, H, D)-strided failed its stride assertion; 3: the linear of tall int8 blocks, N = 16 x blocks; their
 # layout changed since, not what the op returns; 4: their row lookup became an op, tile_rows; 5: graphs call
-# the ops' C functions, c_shims; 6: the linear takes a residual; 7: bf16 in tall blocks on AMX)
-OPS_VERSION = 7
+# the ops' C functions, c_shims; 6: the linear takes a residual; 7: bf16 in tall blocks on AMX; 8: the linear's
+# act_bits)
+OPS_VERSION = 8
 
 CPP = r"""
 #include <torch/library.h>
@@ -780,7 +781,6 @@ struct KernelI4v16 {
 #undef I4_OUT
   }
 };
-#undef V16_MADD
 
 // int4 in tall blocks on AVX-512 VNNI: blocks of up to 5 rows; xsum (M, groups): each row's group sums of a.xq, exact
 void run_i4v16(const Lin& a, const int32_t* xw) {
@@ -792,6 +792,103 @@ void run_i4v16(const Lin& a, const int32_t* xw) {
     one_block<KernelI4v16, 5>(a, m0, mb, n0, xw, xsum);
   });
 }
+
+// int4 groups of 32 with 8-bit activations (".a8", as llama.cpp's q8_0 blocks): each row's 32 columns of a group are
+// rounded to signed bytes q against their own scale s = max |x| / 127 (quantize_groups8), so a line and row take one
+// vpdpbusd, not the 16-bit rows' two. Per (row, group) the exact integer sum S, then acc += fl(S) x fl(scale x s) and
+// offset x fl(s x sum q), in group order: every M the same bits. Two groups a step (a piece's low and high nibbles),
+// blocks of up to 6 rows (12 sums, 6 accumulators); one row in two chains of sums (even and odd lines)
+struct KernelI4a8 {
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: quantize_groups8's (K/4, M) words, gs and
+  // gsum (M, groups): the groups' scales s and s x sum q
+  template <int MB>
+  static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* gs, const float* gsum) {
+    const int64_t M = a.M;
+    const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
+    const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
+    const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 c0, c1, c2, c3, c4, c5;
+    __m512i s0, s1, s2, s3, s4, s5, t0, t1, t2, t3, t4, t5;  // the even group's sums, the odd one's
+#define A8_ZERO(i) if (MB > i) c##i = _mm512_setzero_ps();
+    A8_ZERO(0) A8_ZERO(1) A8_ZERO(2) A8_ZERO(3) A8_ZERO(4) A8_ZERO(5)
+#undef A8_ZERO
+    for (int64_t g = 0; g < a.groups; g += 2) {
+      s0 = s1 = s2 = s3 = s4 = s5 = t0 = t1 = t2 = t3 = t4 = t5 = _mm512_setzero_si512();
+      const char* p = w + (g >> 1) * 512;
+      for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l + PREFETCH_AHEAD, _MM_HINT_T1);
+      const int32_t* x = xw + 8 * g * M + m0;  // columns 32g.. (low nibbles), then 32g + 32.. (high ones)
+      const int32_t* y = x + 8 * M;
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; r++) {
+        const __m512i v = _mm512_load_si512(p + 64 * r);
+        const __m512i wa = _mm512_and_si512(v, nibble), wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if (MB == 1) {
+          if (r & 1) { V16_MADD(s1, wa, x[0]); V16_MADD(t1, wb, y[0]); }
+          else { V16_MADD(s0, wa, x[0]); V16_MADD(t0, wb, y[0]); }
+        }
+#define A8_ROW(i) if (MB > i && MB > 1) { V16_MADD(s##i, wa, x[i]); V16_MADD(t##i, wb, y[i]); }
+        A8_ROW(0) A8_ROW(1) A8_ROW(2) A8_ROW(3) A8_ROW(4) A8_ROW(5)
+#undef A8_ROW
+        x += M, y += M;
+      }
+      if (MB == 1) s0 = _mm512_add_epi32(s0, s1), t0 = _mm512_add_epi32(t0, t1);
+#define A8_GROUP(i, sum, gg) if (MB > i) {                                                              \
+        const int64_t at = (m0 + i) * a.groups + gg;                                                    \
+        c##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(gs[at])), c##i); \
+        c##i = _mm512_fmadd_ps(of, _mm512_set1_ps(gsum[at]), c##i); }
+      __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+      A8_GROUP(0, s0, g) A8_GROUP(1, s1, g) A8_GROUP(2, s2, g) A8_GROUP(3, s3, g) A8_GROUP(4, s4, g) A8_GROUP(5, s5, g)
+      sc = _mm512_loadu_ps(bsc + 16 * (g + 1)), of = _mm512_loadu_ps(bof + 16 * (g + 1));
+      A8_GROUP(0, t0, g + 1) A8_GROUP(1, t1, g + 1) A8_GROUP(2, t2, g + 1) A8_GROUP(3, t3, g + 1)
+      A8_GROUP(4, t4, g + 1) A8_GROUP(5, t5, g + 1)
+#undef A8_GROUP
+    }
+#define A8_OUT(i) if (MB > i) finish16(a, m0 + i, n0, c##i);
+    A8_OUT(0) A8_OUT(1) A8_OUT(2) A8_OUT(3) A8_OUT(4) A8_OUT(5)
+#undef A8_OUT
+  }
+};
+
+// x (M, K), fp32 or bf16, in groups of 32 columns as KernelI4a8 reads it: per (row, group) s = max |x| / 127 and
+// q = x x (127 / max |x|) rounded to nearest even (|q| <= 127), as (K/4, M) words of 4 signed bytes; gs (M, groups)
+// s, gsum s x sum q. A group of zeros: s = 0; one with an inf or a NaN: s = NaN (the row's outputs NaN)
+template <typename E>
+inline __m512 xload512(const E* p) {
+  if (sizeof(E) == 4) return _mm512_loadu_ps((const float*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+template <typename E>
+void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, float* gsum) {
+  const int64_t groups = K / 32;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      const __m512 u = xload512(x + m * K + 32 * g), v = xload512(x + m * K + 32 * g + 16);
+      const bool bad = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)));
+      alignas(64) int32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (bad || std::isinf(amax) || amax == 0.0f) {
+        gs[m * groups + g] = gsum[m * groups + g] = amax == 0.0f && !bad ? 0.0f : NAN;
+      } else {
+        const __m512 inv = _mm512_set1_ps(127.0f / amax);
+        const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, inv)), qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+        const float s = amax / 127.0f;
+        gs[m * groups + g] = s;
+        gsum[m * groups + g] = s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qu, qv));
+        _mm_store_si128((__m128i*)words, _mm512_cvtepi32_epi8(qu));
+        _mm_store_si128((__m128i*)words + 1, _mm512_cvtepi32_epi8(qv));
+      }
+      for (int j = 0; j < 8; j++) xw[(8 * g + j) * M + m] = words[j];
+    }
+}
+
+// int4 groups of 32 with 8-bit activations: blocks of up to 6 rows
+void run_i4a8(const Lin& a, const int32_t* xw, const float* gs, const float* gsum) {
+  run_blocks16(a, 6, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
+    one_block<KernelI4a8>(a, m0, mb, n0, xw, gs, gsum);
+  });
+}
+#undef V16_MADD
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
@@ -2023,7 +2120,7 @@ void permute_evens_odds(E* x, int64_t M, int64_t K, int V) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                   const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
-                  const c10::optional<at::Tensor>& residual) {
+                  const c10::optional<at::Tensor>& residual, int64_t act_bits) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && (w.size(2) == 4 || w.size(2) == 16), "eagle_fast::linear: x (M, K) and a packed weight");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: x must be fp32 or bf16");
   TORCH_CHECK(w.is_contiguous(), "eagle_fast::linear: the packed weight must be contiguous");
@@ -2108,6 +2205,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // products, x rounded to 16 bits, any x dtype
   TORCH_CHECK(!tall_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
+  TORCH_CHECK(act_bits == 16 || (act_bits == 8 && tall_i4 && a.G == 32),
+              "eagle_fast::linear: 8-bit activations are for int4 groups of 32 in tall blocks (AVX-512 VNNI); "
+              "act_bits is 16 otherwise");
+  if (act_bits == 8) {  // KernelI4a8: x in 8-bit groups of 32, each with its scale
+    static thread_local std::vector<int32_t> words;
+    static thread_local std::vector<float> gs, gsum;
+    int32_t* xw = scratch64(words, M * K / 4);
+    gs.resize(M * a.groups), gsum.resize(M * a.groups);
+    const at::Tensor xc = x.contiguous();
+    if (xc.scalar_type() == at::kFloat) quantize_groups8(xc.data_ptr<float>(), M, K, xw, gs.data(), gsum.data());
+    else quantize_groups8((const uint16_t*)xc.data_ptr(), M, K, xw, gs.data(), gsum.data());
+    run_i4a8(a, xw, gs.data(), gsum.data());
+    return out;
+  }
   at::Tensor xb;
   if (level >= AVX512BF16 && x.scalar_type() == at::kBFloat16 && wt != W_F32 && !amx_i8 && !tall_i4 && !int8_vnni) {  // BF16 dot products
     xb = x.contiguous();
@@ -2981,11 +3092,11 @@ static c10::optional<at::Tensor> optional_tensor(AtenTensorHandle* h) {  // a Te
 }
 extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_linear(
     AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* scales, AtenTensorHandle* offsets, AtenTensorHandle* bias,
-    AtenTensorHandle* residual, AtenTensorHandle* ret0) {
+    AtenTensorHandle* residual, int64_t act_bits, AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = new_tensor_handle(linear(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w),
                                      optional_tensor(scales), optional_tensor(offsets), optional_tensor(bias),
-                                     optional_tensor(residual)));
+                                     optional_tensor(residual), act_bits));
   });
 }
 extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_attention(
@@ -3003,7 +3114,8 @@ extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_
 }
 
 TORCH_LIBRARY(eagle_fast, m) {
-  m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? offsets, Tensor? bias, Tensor? residual=None) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? offsets, Tensor? bias, Tensor? residual=None, "
+        "int act_bits=16) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
   m.def("tile_rows(Tensor w, Tensor idx) -> Tensor");
 }
@@ -3056,7 +3168,7 @@ def load() -> bool:
         pass
 
     @torch.library.register_fake("eagle_fast::linear")
-    def _(x, w, scales, offsets, bias, residual=None):
+    def _(x, w, scales, offsets, bias, residual=None, act_bits=16):
         return x.new_empty(x.shape[0], w.shape[2] * w.shape[0])  # blocks of 4 rows, or 16 (block_rows)
 
     @torch.library.register_fake("eagle_fast::tile_rows")
@@ -3074,7 +3186,8 @@ def load() -> bool:
 
 C_SHIMS = {  # op -> its C function (the C++ above), as Inductor's aot_inductor.custom_ops_to_c_shims declares them
     "linear": "AOTITorchError aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* scales, "
-              "AtenTensorHandle* offsets, AtenTensorHandle* bias, AtenTensorHandle* residual, AtenTensorHandle* ret0)",
+              "AtenTensorHandle* offsets, AtenTensorHandle* bias, AtenTensorHandle* residual, int64_t act_bits, "
+              "AtenTensorHandle* ret0)",
     "attention": "AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
                  "AtenTensorHandle mask, AtenTensorHandle* ret0)",
     "tile_rows": "AOTITorchError aoti_torch_cpu_tile_rows(AtenTensorHandle w, AtenTensorHandle idx, AtenTensorHandle* ret0)",
@@ -3189,6 +3302,13 @@ def _vnni_lines(weight: Tensor) -> Tensor:
     return (_vnni_tiles(weight).view(torch.uint8) ^ 128).reshape(N // 16, K // 64, 16, 64)
 
 
+def a8_takes(packed: Tensor, scales: Tensor) -> bool:
+    """Whether linear(..., act_bits=8) runs these packed int4 weights: groups of 32 in tall blocks (pack on an
+    AMX or AVX-512-BF16 CPU, whose VNNI KernelI4a8 uses)."""
+    return (load() and packed.dtype == torch.uint8 and packed.dim() == 4 and tuple(packed.shape[2:]) == (16, 32)
+            and scales is not None and 64 * packed.shape[1] == 32 * scales.shape[1] and isa() in ("amx", "avx512_bf16"))
+
+
 def int4i_takes(weight: Tensor) -> bool:
     """Whether pack_int4i takes these int4i nibbles (N, K/2): the int8 tiles of an AMX CPU, N % 16 == 0, K % 64 ==
     0. Elsewhere int4i weights run as the int8 weights they stand for (quantize.Int4iLinear)."""
@@ -3267,20 +3387,21 @@ def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
 # ---------------------------------------------------------------- what the model calls
 
 def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None, offsets: Tensor = None,
-           residual: Tensor = None) -> Tensor:
+           residual: Tensor = None, act_bits: int = 16) -> Tensor:
     """x (..., K) @ W.T (+ bias) for a packed weight: float in x's dtype, int8 with fp32 scales (N,), or int4 nibbles
     with fp32 scales and offsets (N, K/G, or tile_groups'), w = q * scale + offset. Any number of rows; each row is computed the
     same way whatever the number. residual (..., N): residual + that, as eager rounds it (the output in x's dtype,
     then the sum), written by the op itself: a block's residual stream then exists once, where a compiled graph had
-    each norm re-add the stream's last 3-4 terms."""
+    each norm re-add the stream's last 3-4 terms. act_bits 8: int4 groups of 32 in tall blocks with x rounded to 8
+    bits in groups of 32 (round_groups8; a8_takes says where)."""
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, packed, bias, residual)):
-        y = _FrozenPackedLinear.apply(x2, packed, bias, scales, offsets)
+        y = _FrozenPackedLinear.apply(x2, packed, bias, scales, offsets, act_bits)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if residual is None else residual + y
     if residual is not None:
         residual = residual.reshape(x2.shape[0], -1).contiguous()
-    y = torch.ops.eagle_fast.linear(x2, packed, scales, offsets, bias, residual)  # no Python on the way
+    y = torch.ops.eagle_fast.linear(x2, packed, scales, offsets, bias, residual, act_bits)  # no Python on the way
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -3292,17 +3413,17 @@ class _FrozenPackedLinear(torch.autograd.Function):
     decode step, which made that step 40-60% slower (docs/performance.md)."""
 
     @staticmethod
-    def forward(ctx, x, packed, bias, scales, offsets):
+    def forward(ctx, x, packed, bias, scales, offsets, act_bits):
         ctx.packed, ctx.scales, ctx.offsets = packed, scales, offsets
         ctx.needs_weight_grad = packed.requires_grad or (bias is not None and bias.requires_grad)
-        return torch.ops.eagle_fast.linear(x, packed, scales, offsets, bias)
+        return torch.ops.eagle_fast.linear(x, packed, scales, offsets, bias, None, act_bits)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.needs_weight_grad:
             raise RuntimeError("eagle_fast::linear: packed weights are frozen (pack_weights is for inference)")
         w = dequantize(unpack(ctx.packed), ctx.scales, ctx.offsets).to(grad.dtype)
-        return grad @ w, None, None, None, None
+        return grad @ w, None, None, None, None, None
 
 
 def attention_takes(q: Tensor, k: Tensor) -> bool:
@@ -3332,6 +3453,19 @@ def dequantize(weight: Tensor, scales: Tensor = None, offsets: Tensor = None) ->
     return weight.float()
 
 
+def round_groups8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (M, K) as KernelI4a8 takes it: each row's groups of 32 columns as signed bytes q (fp32, |q| <= 127) and
+    their scales s = max |x| / 127 (M, K/32): q = x times 127 / max |x| (a true division), rounded to nearest even;
+    a group of zeros has s = 0, one with an inf or a NaN s = NaN."""
+    M, K = x.shape
+    x = x.float().view(M, K // 32, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    s = torch.where(amax.isfinite(), amax / 127, float("nan"))
+    q = torch.where(amax > 0, torch.round(x * (torch.full_like(amax, 127.0) / amax)), 0.0)
+    q = torch.where(amax.isfinite(), q, 0.0)
+    return q.view(M, K), s.view(M, K // 32)
+
+
 def round_rows16(x: Tensor, qmax: int = 32767) -> Tensor:
     """x (M, K) as the AVX2 and AMX builds give it to int8 weights: each row rounded to 16-bit integers times its
     scale max |x| / qmax (a row of zeros stays zeros; one with an inf or a NaN becomes NaN). AMX's int4 tiles and
@@ -3352,10 +3486,16 @@ def rows16(x: Tensor, qmax: int = 32767) -> tuple[Tensor, Tensor]:
 
 
 def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None,
-                     offsets: Tensor = None, residual: Tensor = None) -> Tensor:
+                     offsets: Tensor = None, residual: Tensor = None, act_bits: int = 16) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 and AVX-512-BF16 builds, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row
-    (round_rows16)."""
+    (round_rows16); act_bits 8, x rounded to 8 bits in groups of 32 (round_groups8)."""
+    if act_bits == 8:
+        q, s = round_groups8(x)
+        w = dequantize(unpack(packed), scales, offsets)
+        y = F.linear(s.repeat_interleave(32, -1) * q, w)  # a group with an inf or a NaN: NaN x 0
+        y = (y if bias is None else y + bias.float()).to(x.dtype)
+        return y if residual is None else residual + y
     int16_rows = scales is not None and (offsets is None and isa() in INT16_ROW_BUILDS or packed.shape[2] == 16)
     qmax = 32639 if offsets is not None or packed.shape[3] == 64 else 32767  # int4 tiles, _vnni_lines: two signed bytes
     y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))

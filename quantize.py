@@ -238,6 +238,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", torch.zeros(out_features, G, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.layout = "file"  # then "cpu" or "cuda" (packed for that kernel) or "dequant" (the fallback)
+        self.act_bits = 16  # 8: x rounded to 8 bits in groups of 32 for the packed kernel (a ".a8" name)
 
     def dequantize(self):
         assert self.layout in ("file", "dequant"), "the packed layout cannot be dequantized"
@@ -253,7 +254,8 @@ class Int4Linear(nn.Module):
             if self.padded > self.in_features:  # zero columns of x meet the padding columns of the weight
                 x2 = F.pad(x2, (0, self.padded - self.in_features))
             if self.layout == "packed":  # kernels.py: w = q * scale + offset, fp32 sums
-                y = kernels.linear(x2, self.weight, None, self.scales, self.offsets, residual if added else None)
+                y = kernels.linear(x2, self.weight, None, self.scales, self.offsets, residual if added else None,
+                                   self.act_bits)
             # torch's kernels run in bf16: CUDA's takes nothing else, and the CPU one, which in torch 2.13 also takes
             # fp32 with fp32 scales, ran a 256-token forward of the default model 10-50x slower in fp32 than in bf16
             elif self.layout == "cpu":
@@ -273,6 +275,8 @@ class Int4Linear(nn.Module):
             self.bias = self.bias.to(dtype)
         self.layout = "dequant"
         if not use_kernel:
+            if self.act_bits == 8:
+                raise QuantizeError("8-bit activations (.a8) run on the C++ kernels only")
             self.scales, self.zeros = self.scales.to(dtype), self.zeros.to(dtype)
             return "not asked for"
         device, saved = self.weight.device.type, self.weight
@@ -305,6 +309,9 @@ class Int4Linear(nn.Module):
                    f"the {self.layout} int4 kernel disagrees with dequantization (max error {err:.3g})")
         except Exception as e:  # a missing op (AttributeError), shapes or dtypes it rejects (RuntimeError), ...
             why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        if self.act_bits == 8 and (why is not None or not kernels.a8_takes(self.weight, self.scales)):
+            raise QuantizeError(f"8-bit activations (.a8) run int4 groups of 32 on the C++ kernels of an AVX-512 VNNI "
+                                f"CPU (this one: {kernels.isa()}; {why or f'groups of {self.groupsize}'})")
         if why is not None:
             self.layout, self.weight = "dequant", saved
             self.scales, self.zeros = scales.to(dtype), zeros.to(dtype)
@@ -497,14 +504,23 @@ def quant_name(mode, groupsize=None, quantize_head=False):
 
 
 def parse_name(name):
-    """'int4.g32.head8' -> ('int4', 32, True), 'int4i' -> ('int4i', None, False); a one-line QuantizeError for
-    anything else."""
-    m = re.fullmatch(r"(int8|int4i|int4\.g(\d+))(\.head8)?", name)
+    """'int4.g32.head8' -> ('int4', 32, True), 'int4i' -> ('int4i', None, False), 'int4.g32.a8.head8' (the same
+    weights, activations rounded to 8 bits: act_bits) -> ('int4', 32, True); a one-line QuantizeError for anything
+    else."""
+    m = re.fullmatch(r"(int8|int4i|int4\.g(\d+)(\.a8)?)(\.head8)?", name)
     if not m or (m.group(2) and int(m.group(2)) not in GROUPSIZES):
-        raise QuantizeError(f"unknown quantization {name!r}: expected int8, int4i or int4.g32 (g64, g128, g256), "
-                            f"optionally followed by .head8")
+        raise QuantizeError(f"unknown quantization {name!r}: expected int8, int4i or int4.g32 (g64, g128, g256; "
+                            f"int4.g32.a8: 8-bit activations), optionally followed by .head8")
+    if m.group(3) and m.group(2) != "32":
+        raise QuantizeError(f"{name}: 8-bit activations (.a8) take int4 groups of 32 (int4.g32.a8)")
     mode = "int4" if m.group(2) else m.group(1)
-    return mode, int(m.group(2)) if m.group(2) else None, bool(m.group(3))
+    return mode, int(m.group(2)) if m.group(2) else None, bool(m.group(4))
+
+
+def act_bits(name) -> int:
+    """The bits a quantized variant's int4 linears round x to: 8 for 'int4.g32.a8' (groups of 32, each with its own
+    scale, as llama.cpp's q8_0: one integer product a weight and row where 16-bit rows take two), else 16."""
+    return 8 if "a8" in name.split(".") else 16
 
 
 def quantized_file(checkpoint_dir, config, name) -> Path:
@@ -513,6 +529,7 @@ def quantized_file(checkpoint_dir, config, name) -> Path:
         mode, groupsize, head = parse_name(name)
     except QuantizeError as e:
         raise CheckpointError(str(e)) from None
+    name = quant_name(mode, groupsize, head)  # .a8 runs the same weights
     entry = config.get("quantized", {}).get(name)
     path = Path(checkpoint_dir) / (entry["file"] if entry else f"model_{name}.safetensors")
     if not path.is_file():
@@ -564,7 +581,13 @@ def load_quantized(checkpoint_dir, name, device="cpu", dtype=torch.bfloat16, pac
             model.output.scales = model.tok_embeddings.scales
     if shard is not None:
         shard(model)
-    prepare(model, dtype, pack=pack)
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            m.act_bits = act_bits(name)
+    try:
+        prepare(model, dtype, pack=pack)
+    except QuantizeError as e:
+        raise CheckpointError(f"{name}: {e}") from None
     model.checkpoint_config = config
     return model.eval()
 

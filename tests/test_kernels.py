@@ -275,6 +275,56 @@ def test_int4_in_tall_blocks_sums_rows_rounded_to_16_bits(G):
         kernels.linear(x[:1], packed, None, tiled_scales[:-1].contiguous(), tiled_offsets[:-1].contiguous())
 
 
+def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
+    """act_bits=8 (KernelI4a8, int4.g32.a8): x rounded to signed bytes in groups of 32 columns, each with its scale
+    (round_groups8), exact integer sums a group, then the weight's and the group's scales and the offset: the outputs
+    are round_groups8's x @ the dequantized weight to fp32's rounding, at every M bit for bit (blocks of up to 6 rows,
+    one row in two chains of sums), with a group of zeros, NaN and inf rows, and the largest products; a8_takes says
+    where it runs, and other weights get one error."""
+    if kernels.isa() not in ("amx", "avx512_bf16"):
+        pytest.skip("8-bit activations run on the AMX and AVX-512-BF16 builds' int4 tall blocks")
+    g = torch.Generator().manual_seed(7)
+    N, K = 96, 1536
+    nibbles = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    nibbles[0] = 255  # weight row 0: q = 15 everywhere
+    scales, offsets = torch.rand(N, K // 32, generator=g) / 15, -torch.rand(N, K // 32, generator=g)
+    x = torch.randn(40, K, generator=g) * torch.logspace(-2, 2, K)
+    x[1] = -1.0  # every product of row 1 and weight row 0 at its largest: q = -127
+    x[2, 64:96], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
+    packed = kernels.pack(nibbles)
+    tiled_scales, tiled_offsets = kernels.tile_groups(scales, packed), kernels.tile_groups(offsets, packed)
+    assert kernels.a8_takes(packed, tiled_scales) and kernels.a8_takes(packed, scales)
+    q, s = kernels.round_groups8(x)
+    assert q.abs().max() <= 127 and torch.equal(q, q.round()) and (q[0].view(-1, 32).abs().amax(-1) == 127).all()
+    assert torch.equal(s[2, 2:3], torch.zeros(1)) and s[3, 0].isnan() and s[4, 0].isnan()
+    dense = kernels.dequantize(nibbles, scales, offsets).double()
+    ref = F.linear((q * s.repeat_interleave(32, -1)).double(), dense).float()
+    y = kernels.linear(x, packed, None, tiled_scales, tiled_offsets, act_bits=8)
+    assert y[3].isnan().all() and y[4].isnan().all() and not y[[0, 1, 2, 5]].isnan().any()
+    ok = ~ref.isnan()
+    assert torch.allclose(y[ok], ref[ok], rtol=1e-5, atol=1e-5 * ref[ok].abs().max().item())
+    assert y[1, 0].item() == pytest.approx(-(15 * scales[0] + offsets[0]).sum().item() * 32, rel=1e-5)
+    torch.testing.assert_close(kernels.linear_reference(x, packed, None, scales, offsets, act_bits=8), y, rtol=1e-5,
+                               atol=1e-5 * ref[ok].abs().max().item(), equal_nan=True)
+    # not the 16-bit rows: a different (and, here, visible) result
+    assert not torch.allclose(y[0], kernels.linear(x[:1], packed, None, tiled_scales, tiled_offsets)[0], rtol=1e-6)
+    for M in (1, 2, 3, 5, 6, 7, 12, 13, 17, 40):  # bit for bit (NaN rows: NaN)
+        torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, offsets, act_bits=8), y[:M], rtol=0,
+                                   atol=0, equal_nan=True, msg=f"M={M}")
+    xb = x[:7].bfloat16()
+    yb = kernels.linear(xb, packed, None, tiled_scales, tiled_offsets, act_bits=8)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb[6:], kernels.linear(xb[6:], packed, None, scales, offsets,
+                                                                                act_bits=8))
+    # groups of 64, and int8 weights: not taken, one error
+    assert not kernels.a8_takes(packed, scales[:, ::2].contiguous())
+    with pytest.raises(RuntimeError, match="8-bit activations"):
+        kernels.linear(x[:2], packed, None, scales[:, ::2].contiguous(), offsets[:, ::2].contiguous(), act_bits=8)
+    w8, s8, _, _ = packed_weight("int8", N=64, K=256)
+    assert not kernels.a8_takes(w8, s8)
+    with pytest.raises(RuntimeError, match="8-bit activations"):
+        kernels.linear(x[:2, :256], w8, None, s8, None, act_bits=8)
+
+
 def test_int4_tiles_layout_on_amx_and_avx512_bf16():
     """On AMX and AVX-512-BF16, pack() lays int4 weights out as B tiles (16 rows x 64 columns in 512 bytes;
     _int4_tiles), which unpack() and packed_rows() read back; N % 16 != 0 keeps the 4-row layout; group sizes above

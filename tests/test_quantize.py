@@ -336,7 +336,8 @@ def test_int4_kernel_that_disagrees_is_not_used(monkeypatch):
     assert "disagrees with dequantization" in layer.prepare(torch.bfloat16, pack=False) and layer.layout == "dequant"
     if kernels.load():  # the same for kernels.py's kernel, here with the offsets off by 8 scales
         real_linear = kernels.linear
-        monkeypatch.setattr(kernels, "linear", lambda x, w, b, s, o, r=None: real_linear(x, w, b, s, o + 8 * s, r))
+        monkeypatch.setattr(kernels, "linear",
+                            lambda x, w, b, s, o, r=None, bits=16: real_linear(x, w, b, s, o + 8 * s, r, bits))
         _, layer = int4_layer()
         assert "disagrees with dequantization" in layer.prepare(torch.bfloat16) and layer.layout == "dequant"
 
@@ -425,6 +426,41 @@ def test_speculative_decoding_is_exact_on_a_quantized_target(mode, groupsize, dt
         plain = greedy(model, prompt, 40, 128)
         spec = greedy(model, prompt, 40, 128, draft=drafter)
         assert spec == plain and len(plain) == 40
+
+
+def test_int4_with_8_bit_activations_by_name(tmp_path, monkeypatch):
+    """'int4.g32.a8.head8' loads the int4.g32.head8 file with x rounded to 8 bits in groups of 32 (act_bits 8) for
+    every int4 linear: its logits are near the 16-bit rows' (not equal), and greedy EAGLE equals plain decoding; the
+    name's parts are checked, and where the kernel does not run .a8 it is one error, not a silent 16-bit run."""
+    assert Q.parse_name("int4.g32.a8.head8") == ("int4", 32, True)
+    assert Q.parse_name("int4.g32.a8") == ("int4", 32, False)
+    assert Q.act_bits("int4.g32.a8.head8") == 8 and Q.act_bits("int4.g32.head8") == 16 and Q.act_bits("int8") == 16
+    for bad, message in [("int4.g64.a8", "take int4 groups of 32"), ("int8.a8", "unknown quantization"),
+                         ("int4.g32.head8.a8", "unknown quantization")]:
+        with pytest.raises(Q.QuantizeError, match=message):
+            Q.parse_name(bad)
+    ckpt = save_checkpoint(make_tiny_model(seed=5, **WIDE), tmp_path / "ckpt")
+    Q.main(["--checkpoint", str(ckpt), "--mode", "int4", "--quantize_head"])
+    if kernels.isa() not in ("amx", "avx512_bf16"):
+        with pytest.raises(gen.CheckpointError, match="8-bit activations"):
+            load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.a8.head8")
+        return
+    a16 = load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.head8")
+    a8 = load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.a8.head8")
+    layers = [m for m in a8.modules() if isinstance(m, Q.Int4Linear)]
+    assert layers and all(m.act_bits == 8 and m.layout == "packed" for m in layers)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    with torch.no_grad():
+        for m in (a16, a8):
+            m.setup_caches(1, 64)
+        y16, y8 = (m(ids, torch.arange(8))[0].float() for m in (a16, a8))
+    assert not torch.equal(y16, y8) and (y8 - y16).norm() < 0.1 * y16.norm()
+    drafter = Drafter(random_head(a8, seed=1).to(torch.bfloat16), "dynamic", depth=4, top_k=3, total_tokens=10)
+    for prompt in ([1, 2, 3, 4, 5], list(range(30, 60))):
+        assert greedy(a8, prompt, 40, 128, draft=drafter) == greedy(a8, prompt, 40, 128)
+    monkeypatch.setattr(kernels, "a8_takes", lambda packed, scales: False)  # a CPU whose kernels do not run it
+    with pytest.raises(gen.CheckpointError, match="8-bit activations .* AVX-512 VNNI"):
+        load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.a8.head8")
 
 
 # ---------------------------------------------------------------- torch.compile
