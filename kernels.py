@@ -850,16 +850,64 @@ struct KernelI4a8 {
   }
 };
 
-// x (M, K), fp32 or bf16, in groups of 32 columns as KernelI4a8 reads it: per (row, group) s = max |x| / 127 and
+// int8 lines (KernelI8v16's, each byte q + 128) with 8-bit activations: one vpdpbusd a line and row; a group's sum
+// starts at -128 x its sum of q (taking the +128 back out), then acc += fl(S) x s in group order, and finish16 the
+// channel's scale: every M the same bits. Blocks of up to 6 rows, one row in two chains of sums
+struct KernelI8a8 {
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: quantize_groups8's (K/4, M) words, gs (M,
+  // groups) the groups' scales, gcorr (M, groups) -128 x their sums of q
+  template <int MB>
+  static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* gs, const int32_t* gcorr) {
+    const int64_t M = a.M, groups = a.K / 32;
+    const char* w = a.w + n0 * a.K;  // block n0 / 16: 16 K bytes, a line 4 columns of its 16 rows
+    const int32_t* x = xw + m0;
+    __m512 c0, c1, c2, c3, c4, c5;
+    __m512i s0, s1, s2, s3, s4, s5;
+#define A8_ZERO(i) if (MB > i) c##i = _mm512_setzero_ps();
+    A8_ZERO(0) A8_ZERO(1) A8_ZERO(2) A8_ZERO(3) A8_ZERO(4) A8_ZERO(5)
+#undef A8_ZERO
+    for (int64_t g = 0; g < groups; g++) {
+#define A8_INIT(i) if (MB > i) s##i = _mm512_set1_epi32(gcorr[(m0 + i) * groups + g]);
+      A8_INIT(0) A8_INIT(1) A8_INIT(2) A8_INIT(3) A8_INIT(4) A8_INIT(5)
+#undef A8_INIT
+      if (MB == 1) s1 = _mm512_setzero_si512();
+      const char* p = w + 512 * g;
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; r++) {
+        _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);
+        const __m512i wv = _mm512_load_si512(p + 64 * r);
+        if (MB == 1) {
+          if (r & 1) V16_MADD(s1, wv, x[0]);
+          else V16_MADD(s0, wv, x[0]);
+        }
+#define A8_ROW(i) if (MB > i && MB > 1) V16_MADD(s##i, wv, x[i]);
+        A8_ROW(0) A8_ROW(1) A8_ROW(2) A8_ROW(3) A8_ROW(4) A8_ROW(5)
+#undef A8_ROW
+        x += M;
+      }
+      if (MB == 1) s0 = _mm512_add_epi32(s0, s1);
+#define A8_GROUP(i) if (MB > i) \
+      c##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s##i), _mm512_set1_ps(gs[(m0 + i) * groups + g]), c##i);
+      A8_GROUP(0) A8_GROUP(1) A8_GROUP(2) A8_GROUP(3) A8_GROUP(4) A8_GROUP(5)
+#undef A8_GROUP
+    }
+#define A8_OUT(i) if (MB > i) finish16(a, m0 + i, n0, c##i);
+    A8_OUT(0) A8_OUT(1) A8_OUT(2) A8_OUT(3) A8_OUT(4) A8_OUT(5)
+#undef A8_OUT
+  }
+};
+
+// x (M, K), fp32 or bf16, in groups of 32 columns as KernelI4a8 and KernelI8a8 read it: per (row, group) s = max |x| / 127 and
 // q = x x (127 / max |x|) rounded to nearest even (|q| <= 127), as (K/4, M) words of 4 signed bytes; gs (M, groups)
-// s, gsum s x sum q. A group of zeros: s = 0; one with an inf or a NaN: s = NaN (the row's outputs NaN)
+// s, gsum s x sum q, gcorr (if given) -128 x sum q. A group of zeros: s = 0; one with an inf or a NaN: s = NaN (the
+// row's outputs NaN)
 template <typename E>
 inline __m512 xload512(const E* p) {
   if (sizeof(E) == 4) return _mm512_loadu_ps((const float*)p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 template <typename E>
-void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, float* gsum) {
+void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, float* gsum, int32_t* gcorr) {
   const int64_t groups = K / 32;
   for (int64_t m = 0; m < M; m++)
     for (int64_t g = 0; g < groups; g++) {
@@ -869,12 +917,15 @@ void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, 
       alignas(64) int32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (bad || std::isinf(amax) || amax == 0.0f) {
         gs[m * groups + g] = gsum[m * groups + g] = amax == 0.0f && !bad ? 0.0f : NAN;
+        if (gcorr) gcorr[m * groups + g] = 0;
       } else {
         const __m512 inv = _mm512_set1_ps(127.0f / amax);
         const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, inv)), qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
         const float s = amax / 127.0f;
         gs[m * groups + g] = s;
-        gsum[m * groups + g] = s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qu, qv));
+        const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qu, qv));
+        gsum[m * groups + g] = s * (float)qsum;
+        if (gcorr) gcorr[m * groups + g] = -128 * qsum;
         _mm_store_si128((__m128i*)words, _mm512_cvtepi32_epi8(qu));
         _mm_store_si128((__m128i*)words + 1, _mm512_cvtepi32_epi8(qv));
       }
@@ -882,10 +933,15 @@ void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, 
     }
 }
 
-// int4 groups of 32 with 8-bit activations: blocks of up to 6 rows
+// int4 groups of 32 with 8-bit activations: blocks of up to 6 rows; int8 likewise
 void run_i4a8(const Lin& a, const int32_t* xw, const float* gs, const float* gsum) {
   run_blocks16(a, 6, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
     one_block<KernelI4a8>(a, m0, mb, n0, xw, gs, gsum);
+  });
+}
+void run_i8a8(const Lin& a, const int32_t* xw, const float* gs, const int32_t* gcorr) {
+  run_blocks16(a, 6, std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
+    one_block<KernelI8a8>(a, m0, mb, n0, xw, gs, gcorr);
   });
 }
 #undef V16_MADD
@@ -2205,18 +2261,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // products, x rounded to 16 bits, any x dtype
   TORCH_CHECK(!tall_i4 || a.G <= 256, "eagle_fast::linear: int4 tall blocks take group sizes up to 256");
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
-  TORCH_CHECK(act_bits == 16 || (act_bits == 8 && tall_i4 && a.G == 32),
-              "eagle_fast::linear: 8-bit activations are for int4 groups of 32 in tall blocks (AVX-512 VNNI); "
-              "act_bits is 16 otherwise");
-  if (act_bits == 8) {  // KernelI4a8: x in 8-bit groups of 32, each with its scale
-    static thread_local std::vector<int32_t> words;
+  TORCH_CHECK(act_bits == 16 || (act_bits == 8 && ((tall_i4 && a.G == 32) || i8v16)),
+              "eagle_fast::linear: 8-bit activations are for int4 groups of 32 in tall blocks and int8 lines "
+              "(AVX-512 VNNI); act_bits is 16 otherwise");
+  if (act_bits == 8) {  // KernelI4a8, KernelI8a8: x in 8-bit groups of 32, each with its scale
+    static thread_local std::vector<int32_t> words, gcorr;
     static thread_local std::vector<float> gs, gsum;
+    const int64_t groups = K / 32;
     int32_t* xw = scratch64(words, M * K / 4);
-    gs.resize(M * a.groups), gsum.resize(M * a.groups);
+    gs.resize(M * groups), gsum.resize(M * groups), gcorr.resize(M * groups);
     const at::Tensor xc = x.contiguous();
-    if (xc.scalar_type() == at::kFloat) quantize_groups8(xc.data_ptr<float>(), M, K, xw, gs.data(), gsum.data());
-    else quantize_groups8((const uint16_t*)xc.data_ptr(), M, K, xw, gs.data(), gsum.data());
-    run_i4a8(a, xw, gs.data(), gsum.data());
+    if (xc.scalar_type() == at::kFloat)
+      quantize_groups8(xc.data_ptr<float>(), M, K, xw, gs.data(), gsum.data(), gcorr.data());
+    else
+      quantize_groups8((const uint16_t*)xc.data_ptr(), M, K, xw, gs.data(), gsum.data(), gcorr.data());
+    if (i8v16) run_i8a8(a, xw, gs.data(), gcorr.data());
+    else run_i4a8(a, xw, gs.data(), gsum.data());
     return out;
   }
   at::Tensor xb;
@@ -3303,10 +3363,14 @@ def _vnni_lines(weight: Tensor) -> Tensor:
 
 
 def a8_takes(packed: Tensor, scales: Tensor) -> bool:
-    """Whether linear(..., act_bits=8) runs these packed int4 weights: groups of 32 in tall blocks (pack on an
-    AMX or AVX-512-BF16 CPU, whose VNNI KernelI4a8 uses)."""
-    return (load() and packed.dtype == torch.uint8 and packed.dim() == 4 and tuple(packed.shape[2:]) == (16, 32)
-            and scales is not None and 64 * packed.shape[1] == 32 * scales.shape[1] and isa() in ("amx", "avx512_bf16"))
+    """Whether linear(..., act_bits=8) runs these packed weights: int4 groups of 32 in tall blocks (pack on an AMX
+    or AVX-512-BF16 CPU; KernelI4a8), or int8 lines (pack on an AVX-512-BF16 CPU without AMX; KernelI8a8)."""
+    if not (load() and packed.dtype == torch.uint8 and packed.dim() == 4 and scales is not None):
+        return False
+    if tuple(packed.shape[2:]) == (16, 64):
+        return isa() == "avx512_bf16"
+    return (tuple(packed.shape[2:]) == (16, 32) and scales.dim() >= 2 and 64 * packed.shape[1] == 32 * scales.shape[1]
+            and isa() in ("amx", "avx512_bf16"))
 
 
 def int4i_takes(weight: Tensor) -> bool:
@@ -3489,7 +3553,7 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
                      offsets: Tensor = None, residual: Tensor = None, act_bits: int = 16) -> Tensor:
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 and AVX-512-BF16 builds, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row
-    (round_rows16); act_bits 8, x rounded to 8 bits in groups of 32 (round_groups8)."""
+    (round_rows16); act_bits 8 (int4 tall blocks, int8 lines), x rounded to 8 bits in groups of 32 (round_groups8)."""
     if act_bits == 8:
         q, s = round_groups8(x)
         w = dequantize(unpack(packed), scales, offsets)

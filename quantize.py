@@ -146,6 +146,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", self.file_weight(out_features, in_features, device))
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        self.act_bits = 16  # 8: x rounded to 8 bits in groups of 32 for the packed kernel (a ".a8" name)
 
     @staticmethod
     def file_weight(N, K, device):  # the weight as the file holds it, zeros
@@ -153,7 +154,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x, residual=None):
         if self.weight.dim() == 4:
-            return kernels.linear(x, self.weight, self.bias, scales=self.scales, residual=residual)
+            return kernels.linear(x, self.weight, self.bias, scales=self.scales, residual=residual,
+                                  act_bits=self.act_bits)
         y = F.linear(x, self.weight.to(x.dtype)) * self.scales
         y = y if self.bias is None else y + self.bias
         return y if residual is None else residual + y
@@ -466,6 +468,9 @@ def prepare(model, dtype, use_kernel=True, pack=True):
                 m.scales = cast.setdefault(id(m.scales), m.scales.to(dtype))
             if m.bias is not None:
                 m.bias = m.bias.to(dtype)
+            if m.act_bits == 8 and not (m.weight.dim() == 4 and kernels.a8_takes(m.weight, m.scales)):
+                raise QuantizeError(f"8-bit activations (.a8) run int8 weights on the C++ kernels of an AVX-512 VNNI "
+                                    f"CPU without AMX (this one: {kernels.isa()})")
         elif isinstance(m, Int4Linear) and m.layout == "file":
             if (why := m.prepare(dtype, use_kernel, pack)) is not None:
                 fallbacks[name] = why
@@ -507,19 +512,20 @@ def parse_name(name):
     """'int4.g32.head8' -> ('int4', 32, True), 'int4i' -> ('int4i', None, False), 'int4.g32.a8.head8' (the same
     weights, activations rounded to 8 bits: act_bits) -> ('int4', 32, True); a one-line QuantizeError for anything
     else."""
-    m = re.fullmatch(r"(int8|int4i|int4\.g(\d+)(\.a8)?)(\.head8)?", name)
+    m = re.fullmatch(r"(int8|int4i|int4\.g(\d+))(\.a8)?(\.head8)?", name)
     if not m or (m.group(2) and int(m.group(2)) not in GROUPSIZES):
-        raise QuantizeError(f"unknown quantization {name!r}: expected int8, int4i or int4.g32 (g64, g128, g256; "
-                            f"int4.g32.a8: 8-bit activations), optionally followed by .head8")
-    if m.group(3) and m.group(2) != "32":
-        raise QuantizeError(f"{name}: 8-bit activations (.a8) take int4 groups of 32 (int4.g32.a8)")
+        raise QuantizeError(f"unknown quantization {name!r}: expected int8, int4i or int4.g32 (g64, g128, g256), "
+                            f"optionally followed by .a8 (8-bit activations) and .head8")
+    if m.group(3) and m.group(1) not in ("int8", "int4.g32"):
+        raise QuantizeError(f"{name}: 8-bit activations (.a8) take int8 and int4 groups of 32 (int8.a8, int4.g32.a8)")
     mode = "int4" if m.group(2) else m.group(1)
     return mode, int(m.group(2)) if m.group(2) else None, bool(m.group(4))
 
 
 def act_bits(name) -> int:
-    """The bits a quantized variant's int4 linears round x to: 8 for 'int4.g32.a8' (groups of 32, each with its own
-    scale, as llama.cpp's q8_0: one integer product a weight and row where 16-bit rows take two), else 16."""
+    """The bits a quantized variant's linears (int8 and int4, the LM head too) round x to: 8 for 'int8.a8' and
+    'int4.g32.a8' (groups of 32, each with its own scale, as llama.cpp's q8_0: one integer product a weight and row
+    where 16-bit rows take two), else 16."""
     return 8 if "a8" in name.split(".") else 16
 
 
@@ -582,7 +588,7 @@ def load_quantized(checkpoint_dir, name, device="cpu", dtype=torch.bfloat16, pac
     if shard is not None:
         shard(model)
     for m in model.modules():
-        if isinstance(m, Int4Linear):
+        if isinstance(m, (Int8Linear, Int4Linear)):
             m.act_bits = act_bits(name)
     try:
         prepare(model, dtype, pack=pack)

@@ -315,14 +315,43 @@ def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     yb = kernels.linear(xb, packed, None, tiled_scales, tiled_offsets, act_bits=8)
     assert yb.dtype == torch.bfloat16 and torch.equal(yb[6:], kernels.linear(xb[6:], packed, None, scales, offsets,
                                                                                 act_bits=8))
-    # groups of 64, and int8 weights: not taken, one error
+    # groups of 64: not taken, one error
     assert not kernels.a8_takes(packed, scales[:, ::2].contiguous())
     with pytest.raises(RuntimeError, match="8-bit activations"):
         kernels.linear(x[:2], packed, None, scales[:, ::2].contiguous(), offsets[:, ::2].contiguous(), act_bits=8)
-    w8, s8, _, _ = packed_weight("int8", N=64, K=256)
-    assert not kernels.a8_takes(w8, s8)
-    with pytest.raises(RuntimeError, match="8-bit activations"):
-        kernels.linear(x[:2, :256], w8, None, s8, None, act_bits=8)
+
+
+def test_int8_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
+    """act_bits=8 on int8 lines (KernelI8a8, int8.a8; AVX-512-BF16 without AMX): the integer sums of a group of 32
+    columns (each weight byte q + 128, the +128 taken back out by the group's sum of x's bytes), times the group's
+    scale, then the channel's: round_groups8's x @ the weight to fp32's rounding, every M bit for bit, at the largest
+    products; int8 in 4-row blocks or the AMX tiles is one error."""
+    g = torch.Generator().manual_seed(8)
+    N, K = 64, 1536
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    q[0] = -128  # every product of row 1 and weight row 0 at its largest
+    scales = torch.rand(N, generator=g) / 127
+    packed = kernels.pack(q)
+    if not kernels.a8_takes(packed, scales):
+        assert kernels.isa() != "avx512_bf16"
+        with pytest.raises(RuntimeError, match="8-bit activations"):
+            kernels.linear(torch.randn(2, K), packed, None, scales, None, act_bits=8)
+        pytest.skip("int8 with 8-bit activations runs on the AVX-512-BF16 build's int8 lines")
+    x = torch.randn(20, K, generator=g) * torch.logspace(-2, 2, K)
+    x[1] = -1.0
+    x[2, 32:64], x[3, 7] = 0.0, float("nan")
+    xq, s = kernels.round_groups8(x)
+    ref = F.linear((xq * s.repeat_interleave(32, -1)).double(), q.double() * scales.double()[:, None]).float()
+    y = kernels.linear(x, packed, None, scales, None, act_bits=8)
+    assert y[3].isnan().all() and not y[[0, 1, 2, 4]].isnan().any()
+    ok = ~ref.isnan()
+    assert torch.allclose(y[ok], ref[ok], rtol=1e-5, atol=1e-5 * ref[ok].abs().max().item())
+    assert y[1, 0].item() == pytest.approx(128 * K * scales[0].item(), rel=1e-5)
+    torch.testing.assert_close(kernels.linear_reference(x, packed, None, scales, None, act_bits=8), y, rtol=1e-5,
+                               atol=1e-5 * ref[ok].abs().max().item(), equal_nan=True)
+    for M in (1, 2, 5, 6, 7, 13, 20):
+        torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, None, act_bits=8), y[:M], rtol=0,
+                                   atol=0, equal_nan=True, msg=f"M={M}")
 
 
 def test_int4_tiles_layout_on_amx_and_avx512_bf16():

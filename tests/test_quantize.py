@@ -428,27 +428,30 @@ def test_speculative_decoding_is_exact_on_a_quantized_target(mode, groupsize, dt
         assert spec == plain and len(plain) == 40
 
 
-def test_int4_with_8_bit_activations_by_name(tmp_path, monkeypatch):
-    """'int4.g32.a8.head8' loads the int4.g32.head8 file with x rounded to 8 bits in groups of 32 (act_bits 8) for
-    every int4 linear: its logits are near the 16-bit rows' (not equal), and greedy EAGLE equals plain decoding; the
-    name's parts are checked, and where the kernel does not run .a8 it is one error, not a silent 16-bit run."""
-    assert Q.parse_name("int4.g32.a8.head8") == ("int4", 32, True)
-    assert Q.parse_name("int4.g32.a8") == ("int4", 32, False)
-    assert Q.act_bits("int4.g32.a8.head8") == 8 and Q.act_bits("int4.g32.head8") == 16 and Q.act_bits("int8") == 16
-    for bad, message in [("int4.g64.a8", "take int4 groups of 32"), ("int8.a8", "unknown quantization"),
-                         ("int4.g32.head8.a8", "unknown quantization")]:
+@pytest.mark.parametrize("name", ["int4.g32.a8.head8", "int8.a8.head8"])
+def test_8_bit_activations_by_name(tmp_path, monkeypatch, name):
+    """'int4.g32.a8.head8' ('int8.a8.head8') loads the int4.g32.head8 (int8.head8) file with x rounded to 8 bits in
+    groups of 32 (act_bits 8) for every quantized linear, the LM head too: its logits are near the 16-bit rows' (not
+    equal), and greedy EAGLE equals plain decoding; the name's parts are checked, and where the kernels do not run
+    .a8 it is one error, not a silent 16-bit run."""
+    base = name.replace(".a8", "")
+    assert Q.parse_name(name) == Q.parse_name(base) and Q.parse_name("int4.g32.a8") == ("int4", 32, False)
+    assert Q.act_bits(name) == 8 and Q.act_bits(base) == 16 and Q.act_bits("int8") == 16
+    for bad, message in [("int4.g64.a8", "take int8 and int4 groups of 32"), ("int4i.a8", "take int8 and int4"),
+                         ("int4.g32.head8.a8", "unknown quantization"), ("int8.a16", "unknown quantization")]:
         with pytest.raises(Q.QuantizeError, match=message):
             Q.parse_name(bad)
     ckpt = save_checkpoint(make_tiny_model(seed=5, **WIDE), tmp_path / "ckpt")
-    Q.main(["--checkpoint", str(ckpt), "--mode", "int4", "--quantize_head"])
-    if kernels.isa() not in ("amx", "avx512_bf16"):
+    Q.main(["--checkpoint", str(ckpt), "--mode", name.split(".")[0], "--quantize_head"])
+    runs = "avx512_bf16" if name.startswith("int8") else ("amx", "avx512_bf16")  # int8 on AMX: tiles, not lines
+    if kernels.isa() not in runs:
         with pytest.raises(gen.CheckpointError, match="8-bit activations"):
-            load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.a8.head8")
+            load_model(ckpt, dtype=torch.bfloat16, quantization=name)
         return
-    a16 = load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.head8")
-    a8 = load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.a8.head8")
-    layers = [m for m in a8.modules() if isinstance(m, Q.Int4Linear)]
-    assert layers and all(m.act_bits == 8 and m.layout == "packed" for m in layers)
+    a16 = load_model(ckpt, dtype=torch.bfloat16, quantization=base)
+    a8 = load_model(ckpt, dtype=torch.bfloat16, quantization=name)
+    layers = [m for m in a8.modules() if isinstance(m, (Q.Int4Linear, Q.Int8Linear))]
+    assert len(layers) > 2 and all(m.act_bits == 8 and m.weight.dim() == 4 for m in layers)
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
     with torch.no_grad():
         for m in (a16, a8):
@@ -460,7 +463,7 @@ def test_int4_with_8_bit_activations_by_name(tmp_path, monkeypatch):
         assert greedy(a8, prompt, 40, 128, draft=drafter) == greedy(a8, prompt, 40, 128)
     monkeypatch.setattr(kernels, "a8_takes", lambda packed, scales: False)  # a CPU whose kernels do not run it
     with pytest.raises(gen.CheckpointError, match="8-bit activations .* AVX-512 VNNI"):
-        load_model(ckpt, dtype=torch.bfloat16, quantization="int4.g32.a8.head8")
+        load_model(ckpt, dtype=torch.bfloat16, quantization=name)
 
 
 # ---------------------------------------------------------------- torch.compile
