@@ -874,7 +874,7 @@ struct KernelI8a8 {
       const char* p = w + 512 * g;
 #pragma GCC unroll 8
       for (int r = 0; r < 8; r++) {
-        _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);
+        if (!(r & 1)) _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);
         const __m512i wv = _mm512_load_si512(p + 64 * r);
         if (MB == 1) {
           if (r & 1) V16_MADD(s1, wv, x[0]);
