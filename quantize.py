@@ -469,8 +469,9 @@ def prepare(model, dtype, use_kernel=True, pack=True):
             if m.bias is not None:
                 m.bias = m.bias.to(dtype)
             if m.act_bits == 8 and not (m.weight.dim() == 4 and kernels.a8_takes(m.weight, m.scales)):
-                raise QuantizeError(f"8-bit activations (.a8) run int8 weights on the C++ kernels of an AVX-512 VNNI "
-                                    f"CPU without AMX (this one: {kernels.isa()})")
+                raise QuantizeError(f"8-bit activations (.a8) run int8 weights packed in 16-row lines (out and in "
+                                    f"dims multiples of 16 and 64) on an AVX-512 VNNI CPU without AMX (this one: "
+                                    f"{kernels.isa()})")
         elif isinstance(m, Int4Linear) and m.layout == "file":
             if (why := m.prepare(dtype, use_kernel, pack)) is not None:
                 fallbacks[name] = why
