@@ -874,7 +874,7 @@ struct KernelI8a8 {
       const char* p = w + 512 * g;
 #pragma GCC unroll 8
       for (int r = 0; r < 8; r++) {
-        if (!(r & 1)) _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);
+        if (MB > 1 || !(r & 1)) _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);  // (as KernelI8v16)
         const __m512i wv = _mm512_load_si512(p + 64 * r);
         if (MB == 1) {
           if (r & 1) V16_MADD(s1, wv, x[0]);
@@ -897,10 +897,10 @@ struct KernelI8a8 {
   }
 };
 
-// x (M, K), fp32 or bf16, in groups of 32 columns as KernelI4a8 and KernelI8a8 read it: per (row, group) s = max |x| / 127 and
-// q = x x (127 / max |x|) rounded to nearest even (|q| <= 127), as (K/4, M) words of 4 signed bytes; gs (M, groups)
-// s, gsum s x sum q, gcorr (if given) -128 x sum q. A group of zeros: s = 0; one with an inf or a NaN: s = NaN (the
-// row's outputs NaN)
+// x (M, K), fp32 or bf16, in groups of 32 columns as KernelI4a8 and KernelI8a8 read it: per (row, group) s = max
+// |x| / 127 and q = x x (127 / max |x|) rounded to nearest even (|q| <= 127), as (K/4, M) words of 4 signed bytes;
+// gs (M, groups) s, gsum s x sum q, gcorr -128 x sum q. A group of zeros: s = 0; one with an inf or a NaN: s = NaN
+// (the row's outputs NaN)
 template <typename E>
 inline __m512 xload512(const E* p) {
   if (sizeof(E) == 4) return _mm512_loadu_ps((const float*)p);
@@ -917,7 +917,7 @@ void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, 
       alignas(64) int32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (bad || std::isinf(amax) || amax == 0.0f) {
         gs[m * groups + g] = gsum[m * groups + g] = amax == 0.0f && !bad ? 0.0f : NAN;
-        if (gcorr) gcorr[m * groups + g] = 0;
+        gcorr[m * groups + g] = 0;
       } else {
         const __m512 inv = _mm512_set1_ps(127.0f / amax);
         const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, inv)), qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
@@ -925,7 +925,7 @@ void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, 
         gs[m * groups + g] = s;
         const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qu, qv));
         gsum[m * groups + g] = s * (float)qsum;
-        if (gcorr) gcorr[m * groups + g] = -128 * qsum;
+        gcorr[m * groups + g] = -128 * qsum;
         _mm_store_si128((__m128i*)words, _mm512_cvtepi32_epi8(qu));
         _mm_store_si128((__m128i*)words + 1, _mm512_cvtepi32_epi8(qv));
       }
