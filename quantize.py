@@ -536,9 +536,9 @@ def quantized_file(checkpoint_dir, config, name) -> Path:
         mode, groupsize, head = parse_name(name)
     except QuantizeError as e:
         raise CheckpointError(str(e)) from None
-    name = quant_name(mode, groupsize, head)  # .a8 runs the same weights
-    entry = config.get("quantized", {}).get(name)
-    path = Path(checkpoint_dir) / (entry["file"] if entry else f"model_{name}.safetensors")
+    stored = quant_name(mode, groupsize, head)  # .a8 runs the same weights
+    entry = config.get("quantized", {}).get(stored)
+    path = Path(checkpoint_dir) / (entry["file"] if entry else f"model_{stored}.safetensors")
     if not path.is_file():
         have = ", ".join(config.get("quantized", {})) or "none"
         make = f"--mode {mode}" + (f" --groupsize {groupsize}" if groupsize else "")

@@ -295,6 +295,11 @@ def test_generate_cli_quant_errors(tmp_path, capsys):
     assert code == 2 and len(err) == 1 and "unknown quantization 'int4.g48'" in err[0], err
     code, err = run_cli(gen.main, ["--checkpoint", str(ckpt), "--quant", "int8"], capsys)
     assert code == 2 and len(err) == 1 and "has no int8 weights" in err[0] and "quantize.py --checkpoint" in err[0]
+    code, err = run_cli(gen.main, ["--checkpoint", str(ckpt), "--quant", "int4.g32.a8.head8"], capsys)
+    assert code == 2 and len(err) == 1 and "has no int4.g32.a8.head8 weights (model_int4.g32.head8" in err[0], err
+    assert "--mode int4 --groupsize 32 --quantize_head" in err[0]
+    code, err = run_cli(gen.main, ["--checkpoint", str(ckpt), "--draft_quant", "int4.g32.a8"], capsys)
+    assert code == 2 and len(err) == 1 and "a head runs 16-bit activations" in err[0], err
     # a file that does not hold what its name says is refused
     Q.main(["--checkpoint", str(ckpt), "--mode", "int8"])
     (ckpt / "model_int8.safetensors").rename(ckpt / "model_int4.g32.safetensors")
