@@ -2,11 +2,13 @@
 w1 and w3 1536 x 576, w2 576 x 1536), random weights, times 30 layers.
 
     python scripts/linear_bench.py [--weights int4|int8|bfloat16] [--rows 1 5 9] [--fuse_gate_up] [--stream]
+                                   [--act_bits 16|8]
 
 --fuse_gate_up: w1 and w3 as one 3072 x 576 weight, one call instead of two (what fusing them would save).
 Prints the median of 7 rounds of 100 layers, in ms for 30 layers: one layer's weights, so they stay in the caches
 (the kernels' arithmetic). --stream: 30 layers' own weights (w1 and w3 fused) and the 49152 x 576 LM head, as a
-forward reads them from memory; the median of 15 passes, in ms a forward.
+forward reads them from memory; the median of 15 passes, in ms a forward. --act_bits 8: int8 and int4 weights with x
+rounded to 8 bits in groups of 32 (the .a8 variants; AVX-512 VNNI builds).
 """
 import argparse
 import sys
@@ -38,9 +40,13 @@ def main():
     p.add_argument("--fuse_gate_up", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--stream", action="store_true", help="30 layers' own weights and the LM head (from memory)")
+    p.add_argument("--act_bits", type=int, default=16, choices=[16, 8])
     args = p.parse_args()
     if not kernels.load():
         sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
+    if args.act_bits == 8 and (args.weights == "bfloat16" or not kernels.a8_takes(*weight(args.weights, 64, 576)[:2])):
+        sys.exit(f"error: --act_bits 8 takes int8 or int4 weights where kernels.py runs them so (this build: "
+                 f"{kernels.isa()}; see kernels.a8_takes)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     fused = args.fuse_gate_up or args.stream
@@ -54,7 +60,7 @@ def main():
 
         def run():
             for ((w, sc, of), _), x in zip(layer, xs):
-                kernels.linear(x, w, None, sc, of)
+                kernels.linear(x, w, None, sc, of, act_bits=args.act_bits)
         for _ in range(3 if args.stream else 20):
             run()
         rounds = []
@@ -73,7 +79,8 @@ def main():
         out.append(f"M={M} {sorted(rounds)[3]:.2f} ms")
     what = ("30 layers' own weights + LM head, a forward" if args.stream
             else f"{'w1+w3 fused, ' if args.fuse_gate_up else ''}30 layers")
-    print(f"{kernels.isa()}, {args.threads} threads, {args.weights}, {what}: " + ", ".join(out))
+    print(f"{kernels.isa()}, {args.threads} threads, {args.weights}, x in {args.act_bits} bits, {what}: "
+          + ", ".join(out))
 
 
 if __name__ == "__main__":
