@@ -902,7 +902,7 @@ struct KernelI8a8 {
 // gs (M, groups) s, gsum s x sum q, gcorr -128 x sum q. A group of zeros: s = 0; one with an inf or a NaN: s = NaN
 // (the row's outputs NaN)
 template <typename E>
-inline __m512 xload512(const E* p) {
+inline __m512 xload512(const E* p) {  // attention's vload512 here: one definition was not inlined there
   if (sizeof(E) == 4) return _mm512_loadu_ps((const float*)p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -3554,15 +3554,14 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
     """What eagle_fast::linear computes, in plain PyTorch with fp32 sums (tests compare the two); int8 weights on the
     AVX2 and AVX-512-BF16 builds, and int8 and int4 ones in tall blocks (AMX), see x rounded to 16 bits a row
     (round_rows16); act_bits 8 (int4 tall blocks, int8 lines), x rounded to 8 bits in groups of 32 (round_groups8)."""
-    if act_bits == 8:
-        q, s = round_groups8(x)
-        w = dequantize(unpack(packed), scales, offsets)
-        y = F.linear(s.repeat_interleave(32, -1) * q, w)  # a group with an inf or a NaN: NaN x 0
-        y = (y if bias is None else y + bias.float()).to(x.dtype)
-        return y if residual is None else residual + y
     int16_rows = scales is not None and (offsets is None and isa() in INT16_ROW_BUILDS or packed.shape[2] == 16)
     qmax = 32639 if offsets is not None or packed.shape[3] == 64 else 32767  # int4 tiles, _vnni_lines: two signed bytes
-    y = F.linear(round_rows16(x, qmax) if int16_rows else x.float(), dequantize(unpack(packed), scales, offsets))
+    if act_bits == 8:
+        q, s = round_groups8(x)
+        xr = s.repeat_interleave(32, -1) * q  # a group with an inf or a NaN: NaN x 0
+    else:
+        xr = round_rows16(x, qmax) if int16_rows else x.float()
+    y = F.linear(xr, dequantize(unpack(packed), scales, offsets))
     y = (y if bias is None else y + bias.float()).to(x.dtype)
     return y if residual is None else residual + y
 
