@@ -10,7 +10,8 @@ It also computes every output element the same way whatever M is: one accumulato
 sequence of vector multiply-adds over K, the same horizontal sum; attention likewise per query row, over the
 cache slots the row sees, in slot order (on AMX, bf16 attention's scores and the V sums of all but a row's last
 32-63 slots go through the tiles, up to 16 rows at a time, in an order set by the row's own count of visible
-slots: the same for a tree row and the decode row that later sees those slots compacted). So each row of a
+slots: the same for a tree row and the decode row that later sees those slots compacted; with BF16 dot products and
+no AMX, bf16 attention's scores and V sums by dot products of pairs, two slots a product in rank order). So each row of a
 verification over a draft tree equals, bit for bit, the one-token decode step that would have computed it, in
 bf16, int8 and int4 as in fp32: this is what makes greedy EAGLE output equal plain decoding token for token in
 every precision.
@@ -2535,7 +2536,84 @@ void scores512bf16(const uint16_t* q, int64_t qstride, const uint16_t* k, int64_
       _mm_storeu_ps(scores[r] + i, _mm_mul_ps(reduce4_512(a[r][0], a[r][1], a[r][2], a[r][3]), _mm_set1_ps(scale)));
   }
 }
+
+// ... and V's weighted sums by BF16 dot products too: each row's probabilities rounded to bf16 (as PyTorch's
+// FlashAttention on a CPU rounds them for its P.V product in bf16), two slots a dot product, so a slot and row take 2
+// instructions for 64 columns where fp32 multiply-adds took 4 (the V pass was half of a row's time, bound by them).
+// In place, p[0..n) becomes (n + 1) / 2 words of two bf16: ranks 2j (low half) and 2j + 1 (high; 0 past n - 1)
+inline void probs_to_bf16_pairs(float* p, int64_t n) {
+  p[n] = 0.0f;  // an odd count's last slot is paired with a weight of 0 (scores have room for n + 3)
+  uint32_t* w = (uint32_t*)p;
+  for (int64_t i = 0; i <= n; i += 32) {  // words [i/2, i/2 + 16) land on floats already read
+    const int64_t left = std::min<int64_t>(32, n + 1 - i);
+    const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, p + i + 16), _mm512_maskz_loadu_ps(m0, p + i));
+    const int64_t words = (left + 1) / 2;
+    _mm512_mask_storeu_epi32(w + i / 2, words >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << words) - 1), (__m512i)b);
+  }
+}
+
+// 64 columns from d0 (FULL, else 32) of R rows' weighted sums: for each pair of ranks, their two V rows interleaved
+// (a 32-bit lane holds one column's two bf16) and one dot product a 16 columns and row; one chain a chunk and row
+// (R x 4 of them). The lanes come out as columns 0-3, 8-11, 16-19, 24-27 (unpacklo) and 4-7, 12-15, ... (unpackhi)
+// of each 32, put back in order at the end.
+template <int R, bool FULL>
+void v_pass512bf16(const uint16_t* v, int64_t D, uint32_t* const* pw, const int64_t* slots, int64_t n,
+                   const float* inv, int64_t d0, float* const* out) {
+  alignas(64) static const uint16_t zeros[64] = {};  // the partner of an odd count's last slot
+  constexpr int C = FULL ? 4 : 2;  // 16-column chunks
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const uint16_t* a = v + slots[i] * D + d0;
+    const uint16_t* b = i + 1 < n ? v + slots[i + 1] * D + d0 : zeros;
+    __m512i x[C];
+#pragma GCC unroll 2
+    for (int h = 0; h < C / 2; h++) {
+      const __m512i ra = _mm512_loadu_si512(a + 32 * h), rb = _mm512_loadu_si512(b + 32 * h);
+      x[2 * h] = _mm512_unpacklo_epi16(ra, rb), x[2 * h + 1] = _mm512_unpackhi_epi16(ra, rb);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pw[r][i / 2]);
+#pragma GCC unroll 4
+      for (int j = 0; j < C; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], p, (__m512bh)x[j]);
+    }
+  }
+  const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+    for (int h = 0; h < C / 2; h++) {
+      const __m512 s = _mm512_set1_ps(inv[r]);
+      const __m512 ev = _mm512_mul_ps(acc[r][2 * h], s), od = _mm512_mul_ps(acc[r][2 * h + 1], s);
+      _mm512_storeu_ps(out[r] + d0 + 32 * h, _mm512_permutex2var_ps(ev, lo, od));
+      _mm512_storeu_ps(out[r] + d0 + 32 * h + 16, _mm512_permutex2var_ps(ev, hi, od));
+    }
+}
+
+template <int R>
+void softmax_v512bf16(const uint16_t* v, int64_t D, float* const* scores, const int64_t* slots, int64_t n,
+                      float* const* out) {
+  float inv[R];
+  uint32_t* pw[R];
+  for (int r = 0; r < R; r++) {
+    inv[r] = n ? 1.0f / softmax_numerators512(scores[r], n) : 0.0f;  // the sum of the unrounded numerators
+    probs_to_bf16_pairs(scores[r], n);
+    pw[r] = (uint32_t*)scores[r];
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    if (D - d0 >= 64) v_pass512bf16<R, true>(v, D, pw, slots, n, inv, d0, out);
+    else v_pass512bf16<R, false>(v, D, pw, slots, n, inv, d0, out);
+  }
+}
 #pragma GCC pop_options
+
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
@@ -2554,7 +2632,8 @@ void attend_rows512(const float* q, const uint16_t* qb, int64_t qstride, const E
     if (!qb) scores512<E>(q + r * qstride, k, D, scale, slots, n, sc[r]);
   }
   if (qb) scores512bf16<R>(qb, qstride, (const uint16_t*)k, D, scale, slots, n, sc);
-  softmax_v512<E, R>(v, D, sc, slots, n, o);
+  if (qb && D % 32 == 0) softmax_v512bf16<R>((const uint16_t*)v, D, sc, slots, n, o);
+  else softmax_v512<E, R>(v, D, sc, slots, n, o);
 }
 #pragma GCC pop_options
 
@@ -3567,7 +3646,9 @@ def linear_reference(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Ten
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """What eagle_fast::attention computes, in plain PyTorch: q (B, H, T, D), k, v (B, n_kv, S, D), mask (1|B, T, S)."""
+    """What eagle_fast::attention computes, in plain PyTorch: q (B, H, T, D), k, v (B, n_kv, S, D), mask (1|B, T, S).
+    Up to rounding: the kernel sums in its own order, and in bf16 where the CPU has BF16 dot products or AMX it
+    rounds the probabilities to bf16 for the V sums (as PyTorch's CPU FlashAttention does in bf16)."""
     H, n_kv = q.shape[1], k.shape[1]
     k, v = (t.float().repeat_interleave(H // n_kv, dim=1) for t in (k, v))
     scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5

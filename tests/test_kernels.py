@@ -471,6 +471,25 @@ def test_attention_rows_that_see_different_slots_past_64(heads, kv_heads, head_d
                 assert torch.equal(kernels.attention(q[:, :, t:t + 1], k, v, mask[:, t:t + 1]), y[:, :, t:t + 1])
 
 
+def test_attention_reads_nothing_past_a_rows_visible_slots():
+    """A row's slots go in pairs for some paths (BF16 dot products sum two slots' V rows at once): an odd count's
+    last slot must pair with nothing, so a NaN or an inf in a slot the row does not see changes nothing."""
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 7, 33, 65, 101):
+            q = torch.randn(1, 9, 2, 64, generator=g).to(dtype)
+            k, v = (torch.randn(1, 3, n + 3, 64, generator=g).to(dtype) for _ in range(2))
+            mask = torch.zeros(1, 2, n + 3, dtype=torch.bool)
+            mask[..., :n] = True
+            clean = kernels.attention(q, k, v, mask)
+            for bad in (float("nan"), float("inf")):
+                k2, v2 = k.clone(), v.clone()
+                k2[:, :, n:], v2[:, :, n:] = bad, bad
+                assert torch.equal(kernels.attention(q, k2, v2, mask), clean), (dtype, n, bad)
+            ref = kernels.attention_reference(q, k, v, mask)
+            assert (clean.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_the_compiled_graphs_see_what_the_ops_return():
     """torch.compile plans with the ops' fake kernels: shapes, strides and dtypes must be the real ones (the
     attention writes (B, H, T, D) laid out as (B, T, H, D), a transposed q is read where it lies)."""
