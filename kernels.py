@@ -592,7 +592,7 @@ struct KernelI8x512 {
 // bytes = 4 columns of 16 weight rows, each byte + 128, uint8): 16 output columns in a register, no horizontal sums.
 // The activations are rounded to 16-bit integers a row (quantize_rows16, qmax 32639) and split into two signed
 // bytes, x = 256 hi + lo (hi = (x + 128) >> 8); one vpdpbusd multiplies 4 columns of the 16 weight rows by 4 bytes
-// of a row, broadcast from memory (i8v16_words' layout), so a 64-byte weight line costs 2 instructions a row and no
+// of a row, broadcast from memory (rows_to_words16's layout), so a 64-byte weight line costs 2 instructions a row and no
 // conversion, where KernelI8x512 sign-extends 2 x 32 weights and spends 2 vpdpwssd a row. Each (row, block) sums
 // the high and the low bytes' products as int32, H and L, exact for K <= 65536; they start at -128 x the row's sum
 // of high (low) bytes, which takes the weights' +128 back out; the output is fl(fl(H) * 256 + fl(L)), then
@@ -601,7 +601,7 @@ struct KernelI8x512 {
 // acc += the weight line w (64 unsigned bytes) times 4 signed bytes of a row broadcast from memory, in 16 int32 lanes
 #define V16_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
 struct KernelI8v16 {
-  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, corr: (M, 2)
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: rows_to_words16's (K/4, M, 2) words, corr: (M, 2)
   // the sums' starting values
   template <int MB>
   static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const int32_t* corr) {
@@ -642,60 +642,6 @@ struct KernelI8v16 {
   }
 };
 
-// xq's rows (qmax 32639) as KernelI8v16 reads them: (K/4, M, 2) 32-bit words, for each 4 columns and row their 4
-// high bytes (hi = (x + 128) >> 8), then their 4 low ones (x - 256 hi), both signed: a block of rows then reads one
-// pointer at fixed offsets (rows apart, (M, K/4, 2) had GCC copy the accumulators between registers every step);
-// corr (M, 2): -128 x the row's sum of the high bytes, and of the low ones
-void i8v16_words(const int16_t* xq, int64_t M, int64_t K, int32_t* xw, int32_t* corr) {
-  const __m512i round = _mm512_set1_epi16(128), ones = _mm512_set1_epi16(1);
-  const __m512i order = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);  // hi, lo, hi, lo...
-  for (int64_t m = 0; m < M; m++) {
-    __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m512i v = _mm512_loadu_si512(xq + m * K + k);
-      const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, round), 8);
-      const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
-      sh = _mm512_add_epi32(sh, _mm512_madd_epi16(hi, ones));
-      sl = _mm512_add_epi32(sl, _mm512_madd_epi16(lo, ones));
-      const __m512i both =
-          _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(hi)), _mm512_cvtepi16_epi8(lo), 1);
-      alignas(64) int64_t pairs[8];  // 4 columns' (hi, lo) words
-      _mm512_store_si512(pairs, _mm512_permutexvar_epi32(order, both));
-      int64_t* dst = (int64_t*)xw + (k / 4) * M + m;
-      for (int q = 0; q < 8; q++) dst[q * M] = pairs[q];
-    }
-    corr[2 * m] = -128 * _mm512_reduce_add_epi32(sh);
-    corr[2 * m + 1] = -128 * _mm512_reduce_add_epi32(sl);
-  }
-}
-
-// Weights in 16-row blocks on AVX-512 VNNI (KernelI8v16, KernelI4v16): each block meets the activation rows in
-// blocks of at most `most`, split evenly (as run_linear), rows(m0, mb, n0) running one; panels of 64 rows; the
-// threads take contiguous runs of blocks (grain blocks at least; an atomic counter handing out chunks of N/256 rows
-// instead cost 3-5 rows 1.2x the time: the streams lose their order)
-template <class Rows>
-void run_blocks16(const Lin& a, int most, int64_t grain, const Rows& rows) {
-  for (int64_t p0 = 0; p0 < a.M; p0 += 64) {
-    const int64_t count = std::min<int64_t>(64, a.M - p0), n_mb = (count + most - 1) / most;
-    at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; b++)
-        for (int64_t i = 0, m0 = p0; i < n_mb; i++) {
-          const int mb = (int)((p0 + count - m0) / (n_mb - i));
-          rows(m0, mb, 16 * b);
-          m0 += mb;
-        }
-    });
-  }
-}
-
-// int8: blocks of up to 6 rows. (Two weight blocks a step, two streams, cost one row 1.14x the time from DRAM and 5
-// rows the same as one block: not kept)
-void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
-  run_blocks16(a, 6, std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
-    one_block<KernelI8v16>(a, m0, mb, n0, xw, corr);
-  });
-}
-
 // int4 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5), in the AMX build's tall blocks (pack: _int4_tiles, 16
 // weight rows x 64 columns in 512 bytes, byte (r, n, j) holding column 4r + j in its low nibble and 32 + 4r + j in
 // its high one): a 64-byte line masked (or shifted, then masked) is 4 columns of 16 weight rows, the unsigned operand
@@ -705,7 +651,7 @@ void run_i8v16(const Lin& a, const int32_t* xw, const int32_t* corr) {
 // the time of a group at a time, 1 row 0.93-0.99x), blocks of up to 5 rows (20 sums and 5 accumulators in
 // registers); larger groups one at a time, one row in two chains of sums (even and odd lines), as KernelI8v16.
 struct KernelI4v16 {
-  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: i8v16_words' (K/4, M, 2) words, xsum: (M,
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: rows_to_words16's (K/4, M, 2) words, xsum: (M,
   // groups) the rows' group sums of their 16-bit integers
   template <int MB>
   static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* xsum) {
@@ -782,17 +728,6 @@ struct KernelI4v16 {
 #undef I4_OUT
   }
 };
-
-// int4 in tall blocks on AVX-512 VNNI: blocks of up to 5 rows; xsum (M, groups): each row's group sums of a.xq, exact
-void run_i4v16(const Lin& a, const int32_t* xw) {
-  static thread_local std::vector<float> sums;
-  sums.resize(a.M * a.groups);
-  group_sums(a, a.xq, a.M, sums.data());
-  const float* xsum = sums.data();
-  run_blocks16(a, 5, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
-    one_block<KernelI4v16, 5>(a, m0, mb, n0, xw, xsum);
-  });
-}
 
 // int4 groups of 32 with 8-bit activations (".a8", as llama.cpp's q8_0 blocks): each row's 32 columns of a group are
 // rounded to signed bytes q against their own scale s = max |x| / 127 (quantize_groups8), so a line and row take one
@@ -934,15 +869,118 @@ void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, 
     }
 }
 
-// int4 groups of 32 with 8-bit activations: blocks of up to 6 rows; int8 likewise
-void run_i4a8(const Lin& a, const int32_t* xw, const float* gs, const float* gsum) {
-  run_blocks16(a, 6, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
-    one_block<KernelI4a8>(a, m0, mb, n0, xw, gs, gsum);
-  });
+// x's rows as KernelI8v16 and KernelI4v16 read them, in one AVX-512 pass over each row: q = x / scale rounded to
+// nearest even, scale = max |x| / 32639 (a row of zeros 0, one with an inf or a NaN NaN, as quantize_rows16), as
+// (K/4, M, 2) 32-bit words, for each 4 columns and row their 4 high bytes (hi = (q + 128) >> 8), then their 4 low
+// ones (q - 256 hi), both signed: a block of rows then reads one pointer at fixed offsets (rows apart, (M, K/4, 2) had
+// GCC copy the accumulators between registers every step); corr (M, 2): -128 x the row's sum of the high bytes, and
+// of the low ones; with gsum (M, K / G), each group's exact sum of q (KernelI4v16's offsets)
+template <typename E>
+void rows_to_words16(const E* x, int64_t M, int64_t K, int32_t* xw, int32_t* corr, float* scale, float* gsum,
+                     int64_t G) {
+  const float qmax = 32639.0f;  // |q| <= 32639: q + 128 and every byte below stay in range
+  const int64_t groups = gsum ? K / G : 0;
+  int64_t* const words = (int64_t*)xw;  // (K/4, M) pairs: 4 columns' high bytes, then their low bytes
+  for (int64_t m = 0; m < M; m++) {
+    const E* r = x + m * K;
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = _mm512_abs_ps(xload512(r + k));
+      bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, v);
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    const bool finite = !bad && !std::isinf(amax);
+    if (!finite || amax == 0.0f) {  // q = 0 (scale 0, or NaN: the row's outputs NaN)
+      scale[m] = finite ? 0.0f : NAN;
+      for (int64_t k = 0; k < K; k += 4) words[(k / 4) * M + m] = 0;
+      corr[2 * m] = corr[2 * m + 1] = 0;
+      for (int64_t g = 0; g < groups; g++) gsum[m * groups + g] = 0.0f;
+      continue;
+    }
+    scale[m] = amax / qmax;
+    const __m512 inv = _mm512_set1_ps(qmax / amax);
+    __m512i sh = _mm512_setzero_si512(), sl = sh, gs = sh;
+    for (int64_t k = 0; k < K; k += 16) {  // cvtps rounds to nearest even, as quantize_rows16
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(xload512(r + k), inv));
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+      sh = _mm512_add_epi32(sh, hi), sl = _mm512_add_epi32(sl, lo);
+      if (groups) {
+        gs = _mm512_add_epi32(gs, q);
+        if ((k + 16) % G == 0) {
+          gsum[m * groups + k / G] = (float)_mm512_reduce_add_epi32(gs);
+          gs = _mm512_setzero_si512();
+        }
+      }
+      const __m128i hb = _mm512_cvtepi32_epi8(hi), lb = _mm512_cvtepi32_epi8(lo);  // 4 words of 4 columns each
+      const __m128i p0 = _mm_unpacklo_epi32(hb, lb), p1 = _mm_unpackhi_epi32(hb, lb);  // (high, low) pairs
+      int64_t* dst = words + (k / 4) * M + m;
+      if (M == 1) {
+        _mm_storeu_si128((__m128i*)dst, p0);
+        _mm_storeu_si128((__m128i*)(dst + 2), p1);
+      } else {
+        dst[0] = _mm_cvtsi128_si64(p0), dst[M] = _mm_extract_epi64(p0, 1);
+        dst[2 * M] = _mm_cvtsi128_si64(p1), dst[3 * M] = _mm_extract_epi64(p1, 1);
+      }
+    }
+    corr[2 * m] = -128 * _mm512_reduce_add_epi32(sh);
+    corr[2 * m + 1] = -128 * _mm512_reduce_add_epi32(sl);
+  }
 }
-void run_i8a8(const Lin& a, const int32_t* xw, const float* gs, const int32_t* gcorr) {
-  run_blocks16(a, 6, std::max<int64_t>(1, 2048 / std::max<int64_t>(a.K, 1)), [&](int64_t m0, int mb, int64_t n0) {
-    one_block<KernelI8a8>(a, m0, mb, n0, xw, gs, gcorr);
+
+// x rounded for the 16-row-block kernels, in the calling thread's own buffers: 16-bit (rows_to_words16: words, corr,
+// the int4 group sums; the scales into t.xs) or 8-bit groups (quantize_groups8: words, gcorr, gsum, gs)
+struct RoundedX {
+  const int32_t* words;
+  const int32_t* ints;  // corr (M, 2) or gcorr (M, K/32)
+  const float* sums;    // int4's group sums (M, groups) or gsum (M, K/32)
+  const float* gs;      // 8-bit: each group's scale (M, K/32)
+};
+template <typename E>
+RoundedX round_x_here(const E* x, Lin& t, int act_bits, bool group_sums) {
+  static thread_local std::vector<int32_t> words, ints;
+  static thread_local std::vector<float> xs, sums, gs;
+  const int64_t M = t.M, K = t.K;
+  if (act_bits == 8) {
+    int32_t* w = scratch64(words, M * K / 4);
+    gs.resize(M * K / 32), sums.resize(M * K / 32), ints.resize(M * K / 32);
+    quantize_groups8(x, M, K, w, gs.data(), sums.data(), ints.data());
+    return {w, ints.data(), sums.data(), gs.data()};
+  }
+  int32_t* w = scratch64(words, M * K / 2);
+  ints.resize(2 * M), xs.resize(M);
+  if (group_sums) sums.resize(M * t.groups);
+  rows_to_words16(x, M, K, w, ints.data(), xs.data(), group_sums ? sums.data() : nullptr, t.G);
+  t.xs = xs.data();
+  return {w, ints.data(), group_sums ? sums.data() : nullptr, nullptr};
+}
+
+// Weights in 16-row blocks on AVX-512 VNNI: KernelI8v16 and KernelI4v16 (x rounded to 16 bits a row), KernelI8a8 and
+// KernelI4a8 (8-bit groups). Each block meets the activation rows in blocks of at most 6 (int4 16-bit: 5), split
+// evenly (as run_linear); the threads take contiguous runs of blocks (grain blocks at least; an atomic counter handing
+// out chunks of N/256 rows instead cost 3-5 rows 1.2x the time: the streams lose their order). Each thread first
+// rounds x itself, into its own buffers: rounded once, by one thread while the other waited, the words were
+// written into lines the other core had read in the last call, and every store missed (~80% of the rounding's time,
+// 2.5-3.5% of a 5-to-17-token forward); now both round the same rows at once, each into lines only it reads.
+template <typename E>
+void run_blocks16(const Lin& a, const E* x, int act_bits, bool int8) {
+  const int most = int8 || act_bits == 8 ? 6 : 5;
+  const int64_t grain = std::max<int64_t>(1, (int8 ? 2048 : 4096) / std::max<int64_t>(a.K, 1));
+  const int64_t n_mb = (a.M + most - 1) / most;
+  at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
+    Lin t = a;  // with this thread's scales
+    const RoundedX r = round_x_here(x, t, act_bits, !int8);
+    for (int64_t b = b0; b < b1; b++)
+      for (int64_t i = 0, m0 = 0; i < n_mb; i++) {
+        const int mb = (int)((a.M - m0) / (n_mb - i));
+        if (act_bits == 8 && int8) one_block<KernelI8a8>(t, m0, mb, 16 * b, r.words, r.gs, r.ints);
+        else if (act_bits == 8) one_block<KernelI4a8>(t, m0, mb, 16 * b, r.words, r.gs, r.sums);
+        else if (int8) one_block<KernelI8v16>(t, m0, mb, 16 * b, r.words, r.ints);
+        else one_block<KernelI4v16, 5>(t, m0, mb, 16 * b, r.words, r.sums);
+        m0 += mb;
+      }
   });
 }
 #undef V16_MADD
@@ -2266,18 +2304,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
               "eagle_fast::linear: 8-bit activations are for int4 groups of 32 in tall blocks and int8 lines "
               "(AVX-512 VNNI); act_bits is 16 otherwise");
   if (act_bits == 8) {  // KernelI4a8, KernelI8a8: x in 8-bit groups of 32, each with its scale
-    static thread_local std::vector<int32_t> words, gcorr;
-    static thread_local std::vector<float> gs, gsum;
-    const int64_t groups = K / 32;
-    int32_t* xw = scratch64(words, M * K / 4);
-    gs.resize(M * groups), gsum.resize(M * groups), gcorr.resize(M * groups);
     const at::Tensor xc = x.contiguous();
-    if (xc.scalar_type() == at::kFloat)
-      quantize_groups8(xc.data_ptr<float>(), M, K, xw, gs.data(), gsum.data(), gcorr.data());
-    else
-      quantize_groups8((const uint16_t*)xc.data_ptr(), M, K, xw, gs.data(), gsum.data(), gcorr.data());
-    if (i8v16) run_i8a8(a, xw, gs.data(), gcorr.data());
-    else run_i4a8(a, xw, gs.data(), gsum.data());
+    if (xc.scalar_type() == at::kFloat) run_blocks16(a, xc.data_ptr<float>(), 8, i8v16);
+    else run_blocks16(a, (const uint16_t*)xc.data_ptr(), 8, i8v16);
     return out;
   }
   at::Tensor xb;
@@ -2323,22 +2352,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
       else run_amx_i8_tall(a, (const uint16_t*)xc.data_ptr(), xs.data());
       return out;
     }
-    xbuf.resize(M * K + 32);
-    int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
-    // int4 in tall blocks and KernelI8v16: x = 256 hi + lo with both bytes signed (panel_bytes, i8v16_words)
-    const float qmax = tall_i4 || i8v16 ? 32639.0f : 32767.0f;
-    if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
-    else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
-    a.xq = xq, a.xs = xs.data();
-    if (i8v16 || (tall_i4 && level == AVX512BF16)) {
-      static thread_local std::vector<int32_t> words, corr;
-      int32_t* xw = scratch64(words, M * K / 2);
-      corr.resize(2 * M);
-      i8v16_words(xq, M, K, xw, corr.data());
-      if (i8v16) run_i8v16(a, xw, corr.data());
-      else run_i4v16(a, xw);
+    if (i8v16 || (tall_i4 && level == AVX512BF16)) {  // KernelI8v16, KernelI4v16: x = 256 hi + lo, both bytes signed
+      if (xc.scalar_type() == at::kFloat) run_blocks16(a, xc.data_ptr<float>(), 16, i8v16);
+      else run_blocks16(a, (const uint16_t*)xc.data_ptr(), 16, i8v16);
       return out;
     }
+    a.xs = xs.data();
+    xbuf.resize(M * K + 32);
+    int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
+    // int4 in tall blocks: x = 256 hi + lo with both bytes signed (panel_bytes)
+    const float qmax = tall_i4 ? 32639.0f : 32767.0f;
+    if (xc.scalar_type() == at::kFloat) quantize_rows16(xc.data_ptr<float>(), M, K, xq, xs.data(), qmax);
+    else quantize_rows16((const uint16_t*)xc.data_ptr(), M, K, xq, xs.data(), qmax);
+    a.xq = xq;
     if (tall_i4) run_amx_i4(a);
     else if (level == AVX512BF16) run_linear<KernelI8x512>(a, 6);
     else if (level == AVX2VNNI) run_linear<KernelI8<true>>(a, KernelI8<true>::MAX_MB);
