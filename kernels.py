@@ -269,7 +269,7 @@ void run_linear(const Lin& a, int max_mb) {
 }
 
 // int4's group sums of M rows of 16-bit integers xq (K columns, a.G a group) into out (M, groups), exact: at most
-// 256 x 32767 a sum (the AMX tiles and KernelI4v16 add offset x this a group)
+// 256 x 32767 a sum (the AMX tiles add offset x this a group; KernelI4v16 gets the same from rows_to_words16)
 inline void group_sums(const Lin& a, const int16_t* xq, int64_t M, float* out) {
   for (int64_t m = 0; m < M; m++)
     for (int64_t g = 0; g < a.groups; g++) {
@@ -590,7 +590,7 @@ struct KernelI8x512 {
 
 // int8 weights on AVX-512 with VNNI, no AMX (Zen 4, Zen 5), in 16-row blocks (pack: the AMX tiles' byte order, 64
 // bytes = 4 columns of 16 weight rows, each byte + 128, uint8): 16 output columns in a register, no horizontal sums.
-// The activations are rounded to 16-bit integers a row (quantize_rows16, qmax 32639) and split into two signed
+// The activations are rounded to 16-bit integers a row (rows_to_words16, qmax 32639) and split into two signed
 // bytes, x = 256 hi + lo (hi = (x + 128) >> 8); one vpdpbusd multiplies 4 columns of the 16 weight rows by 4 bytes
 // of a row, broadcast from memory (rows_to_words16's layout), so a 64-byte weight line costs 2 instructions a row and no
 // conversion, where KernelI8x512 sign-extends 2 x 32 weights and spends 2 vpdpwssd a row. Each (row, block) sums
@@ -2639,7 +2639,6 @@ void softmax_v512bf16(const uint16_t* v, int64_t D, float* const* scores, const 
   }
 }
 #pragma GCC pop_options
-
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
