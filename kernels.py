@@ -279,18 +279,13 @@ inline void group_sums(const Lin& a, const int16_t* xq, int64_t M, float* out) {
     }
 }
 
-// 1-MAX (5 or 6) activation rows against a block of weight rows in one pass (the AVX-512 kernels' rows(), and the
-// 16-row blocks' runners, which pass their activation words on in `more`)
+// 1-MAX (5, 6 or 9) activation rows against a block of weight rows in one pass (the AVX-512 kernels' rows(), and
+// the 16-row blocks' runners, which pass their activation words on in `more`): block<mb>, found by counting down
 template <class Kernel, int MAX = 6, typename... More>
 inline void one_block(const Lin& a, int64_t m0, int mb, int64_t n0, const More&... more) {
-  switch (mb) {
-    case 1: Kernel::template block<1>(a, m0, n0, more...); break;
-    case 2: Kernel::template block<2>(a, m0, n0, more...); break;
-    case 3: Kernel::template block<3>(a, m0, n0, more...); break;
-    case 4: Kernel::template block<4>(a, m0, n0, more...); break;
-    case 5: Kernel::template block<5>(a, m0, n0, more...); break;
-    default: Kernel::template block<MAX>(a, m0, n0, more...); break;
-  }
+  if constexpr (MAX > 1)
+    if (mb < MAX) return one_block<Kernel, MAX - 1>(a, m0, mb, n0, more...);
+  Kernel::template block<MAX>(a, m0, n0, more...);
 }
 
 // ------------------------------------------------------------------------------------------------ AVX-512
@@ -732,111 +727,123 @@ struct KernelI4v16 {
 // int4 groups of 32 with 8-bit activations (".a8", as llama.cpp's q8_0 blocks): each row's 32 columns of a group are
 // rounded to signed bytes q against their own scale s = max |x| / 127 (quantize_groups8), so a line and row take one
 // vpdpbusd, not the 16-bit rows' two. Per (row, group) the exact integer sum S, then acc += fl(S) x fl(scale x s) and
-// offset x fl(s x sum q), in group order: every M the same bits. Two groups a step (a piece's low and high nibbles),
-// blocks of up to 6 rows (12 sums, 6 accumulators); one row in two chains of sums (even and odd lines)
+// offset x fl(s x sum q), in group order: every M the same bits. A piece of 8 lines holds two groups (low and high
+// nibbles): up to 8 rows take both in one pass over the lines (two sums a row in registers); more, up to 24, one group
+// at a time (the second reads the lines again, from L1), so that all of a verification's rows run in one pass over the
+// weights (as KernelI8a8). One row: two chains of sums a group (even and odd lines)
 struct KernelI4a8 {
+  static constexpr int MOST = 24;
   // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: quantize_groups8's (K/4, M) words, gs and
-  // gsum (M, groups): the groups' scales s and s x sum q
+  // gsum (groups, M): the groups' scales s and s x sum q
   template <int MB>
   static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* gs, const float* gsum) {
+    constexpr int P = MB <= 8 ? 2 : 1, CH = MB == 1 ? 2 : 1;  // groups a pass over the lines; chains a group and row
     const int64_t M = a.M;
     const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
     const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
     const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
     const __m512i nibble = _mm512_set1_epi8(15);
-    __m512 c0, c1, c2, c3, c4, c5;
-    __m512i s0, s1, s2, s3, s4, s5, t0, t1, t2, t3, t4, t5;  // the even group's sums, the odd one's
-#define A8_ZERO(i) if (MB > i) c##i = _mm512_setzero_ps();
-    A8_ZERO(0) A8_ZERO(1) A8_ZERO(2) A8_ZERO(3) A8_ZERO(4) A8_ZERO(5)
-#undef A8_ZERO
-    for (int64_t g = 0; g < a.groups; g += 2) {
-      s0 = s1 = s2 = s3 = s4 = s5 = t0 = t1 = t2 = t3 = t4 = t5 = _mm512_setzero_si512();
+    alignas(64) float c[MB][16] = {};
+    __m512i s[P][CH][MB];
+    const int32_t* x = xw + m0;  // group g's words from 8 g M: its 8 lines' M rows
+    for (int64_t g = 0; g < a.groups; g += P) {
+#pragma GCC unroll 2
+      for (int q = 0; q < P; q++)
+#pragma GCC unroll 2
+        for (int j = 0; j < CH; j++)
+#pragma GCC unroll 24
+          for (int i = 0; i < MB; i++) s[q][j][i] = _mm512_setzero_si512();
       const char* p = w + (g >> 1) * 512;
-      for (int l = 0; l < 8; l++) _mm_prefetch(p + 64 * l + PREFETCH_AHEAD, _MM_HINT_T1);
-      const int32_t* x = xw + 8 * g * M + m0;  // columns 32g.. (low nibbles), then 32g + 32.. (high ones)
-      const int32_t* y = x + 8 * M;
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; r++) {
-        const __m512i v = _mm512_load_si512(p + 64 * r);
-        const __m512i wa = _mm512_and_si512(v, nibble), wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        if (MB == 1) {
-          if (r & 1) { V16_MADD(s1, wa, x[0]); V16_MADD(t1, wb, y[0]); }
-          else { V16_MADD(s0, wa, x[0]); V16_MADD(t0, wb, y[0]); }
+      // CH lines an iteration, not all 8: unrolled, GCC kept each (line, row)'s address apart and spilled them
+#pragma GCC unroll 1
+      for (int r = 0; r < 8; r += CH) {
+#pragma GCC unroll 2
+        for (int j = 0; j < CH; j++) {
+          if (!(g & 1)) _mm_prefetch(p + 64 * (r + j) + PREFETCH_AHEAD, _MM_HINT_T1);  // each line once
+          const __m512i v = _mm512_load_si512(p + 64 * (r + j));
+#pragma GCC unroll 2
+          for (int q = 0; q < P; q++) {  // the low nibbles are the even group's
+            const int shift = P == 2 ? 4 * q : 4 * (int)(g & 1);
+            const __m512i wq = _mm512_and_si512(shift ? _mm512_srli_epi16(v, shift) : v, nibble);
+#pragma GCC unroll 24
+            for (int i = 0; i < MB; i++) V16_MADD(s[q][j][i], wq, x[8 * q * M + i]);
+          }
+          x += M;
         }
-#define A8_ROW(i) if (MB > i && MB > 1) { V16_MADD(s##i, wa, x[i]); V16_MADD(t##i, wb, y[i]); }
-        A8_ROW(0) A8_ROW(1) A8_ROW(2) A8_ROW(3) A8_ROW(4) A8_ROW(5)
-#undef A8_ROW
-        x += M, y += M;
       }
-      if (MB == 1) s0 = _mm512_add_epi32(s0, s1), t0 = _mm512_add_epi32(t0, t1);
-#define A8_GROUP(i, sum, gg) if (MB > i) {                                                              \
-        const int64_t at = (m0 + i) * a.groups + gg;                                                    \
-        c##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(gs[at])), c##i); \
-        c##i = _mm512_fmadd_ps(of, _mm512_set1_ps(gsum[at]), c##i); }
-      __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
-      A8_GROUP(0, s0, g) A8_GROUP(1, s1, g) A8_GROUP(2, s2, g) A8_GROUP(3, s3, g) A8_GROUP(4, s4, g) A8_GROUP(5, s5, g)
-      sc = _mm512_loadu_ps(bsc + 16 * (g + 1)), of = _mm512_loadu_ps(bof + 16 * (g + 1));
-      A8_GROUP(0, t0, g + 1) A8_GROUP(1, t1, g + 1) A8_GROUP(2, t2, g + 1) A8_GROUP(3, t3, g + 1)
-      A8_GROUP(4, t4, g + 1) A8_GROUP(5, t5, g + 1)
-#undef A8_GROUP
+      if (P == 2) x += 8 * M;  // past the high group's words
+#pragma GCC unroll 2
+      for (int q = 0; q < P; q++) {
+        const __m512 sc = _mm512_loadu_ps(bsc + 16 * (g + q)), of = _mm512_loadu_ps(bof + 16 * (g + q));
+#pragma GCC unroll 24
+        for (int i = 0; i < MB; i++) {
+          const __m512i sum = CH == 2 ? _mm512_add_epi32(s[q][0][i], s[q][CH - 1][i]) : s[q][0][i];
+          const int64_t at = (g + q) * M + m0 + i;
+          const __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(gs[at])),
+                                             _mm512_load_ps(c[i]));
+          _mm512_store_ps(c[i], _mm512_fmadd_ps(of, _mm512_set1_ps(gsum[at]), acc));
+        }
+      }
     }
-#define A8_OUT(i) if (MB > i) finish16(a, m0 + i, n0, c##i);
-    A8_OUT(0) A8_OUT(1) A8_OUT(2) A8_OUT(3) A8_OUT(4) A8_OUT(5)
-#undef A8_OUT
+#pragma GCC unroll 24
+    for (int i = 0; i < MB; i++) finish16(a, m0 + i, n0, _mm512_load_ps(c[i]));
   }
 };
 
 // int8 lines (KernelI8v16's, each byte q + 128) with 8-bit activations: one vpdpbusd a line and row; a group's sum
 // starts at -128 x its sum of q (taking the +128 back out), then acc += fl(S) x s in group order, and finish16 the
-// channel's scale: every M the same bits. Blocks of up to 6 rows, one row in two chains of sums
+// channel's scale: every M the same bits (S is an exact integer, whichever chains summed it). All of a verification's
+// rows in one pass over the block (up to 24: 24 chains of sums in registers, the fp32 accumulators in L1), so the
+// weight stream overlaps all their dot products: blocks of 6 ran 17 rows as 5 + 6 + 6, and the later passes, from
+// L1, added their time to the stream's. Up to 3 rows, two chains a row (even and odd lines): one chain waits on
+// each sum's latency
 struct KernelI8a8 {
-  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: quantize_groups8's (K/4, M) words, gs (M,
-  // groups) the groups' scales, gcorr (M, groups) -128 x their sums of q
+  static constexpr int MOST = 24;
+  // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: quantize_groups8's (K/4, M) words, gs (groups,
+  // M) the groups' scales, gcorr (groups, M) -128 x their sums of q
   template <int MB>
   static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* gs, const int32_t* gcorr) {
+    constexpr int CH = MB <= 3 ? 2 : 1;
     const int64_t M = a.M, groups = a.K / 32;
     const char* w = a.w + n0 * a.K;  // block n0 / 16: 16 K bytes, a line 4 columns of its 16 rows
+    alignas(64) float c[MB][16] = {};
+    __m512i s[CH][MB];
     const int32_t* x = xw + m0;
-    __m512 c0, c1, c2, c3, c4, c5;
-    __m512i s0, s1, s2, s3, s4, s5;
-#define A8_ZERO(i) if (MB > i) c##i = _mm512_setzero_ps();
-    A8_ZERO(0) A8_ZERO(1) A8_ZERO(2) A8_ZERO(3) A8_ZERO(4) A8_ZERO(5)
-#undef A8_ZERO
     for (int64_t g = 0; g < groups; g++) {
-#define A8_INIT(i) if (MB > i) s##i = _mm512_set1_epi32(gcorr[(m0 + i) * groups + g]);
-      A8_INIT(0) A8_INIT(1) A8_INIT(2) A8_INIT(3) A8_INIT(4) A8_INIT(5)
-#undef A8_INIT
-      if (MB == 1) s1 = _mm512_setzero_si512();
-      const char* p = w + 512 * g;
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; r++) {
-        if (MB > 1 || !(r & 1)) _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);  // (as KernelI8v16)
-        const __m512i wv = _mm512_load_si512(p + 64 * r);
-        if (MB == 1) {
-          if (r & 1) V16_MADD(s1, wv, x[0]);
-          else V16_MADD(s0, wv, x[0]);
-        }
-#define A8_ROW(i) if (MB > i && MB > 1) V16_MADD(s##i, wv, x[i]);
-        A8_ROW(0) A8_ROW(1) A8_ROW(2) A8_ROW(3) A8_ROW(4) A8_ROW(5)
-#undef A8_ROW
-        x += M;
+#pragma GCC unroll 24
+      for (int i = 0; i < MB; i++) {
+        s[0][i] = _mm512_set1_epi32(gcorr[g * M + m0 + i]);
+        if (CH == 2) s[CH - 1][i] = _mm512_setzero_si512();
       }
-      if (MB == 1) s0 = _mm512_add_epi32(s0, s1);
-#define A8_GROUP(i) if (MB > i) \
-      c##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s##i), _mm512_set1_ps(gs[(m0 + i) * groups + g]), c##i);
-      A8_GROUP(0) A8_GROUP(1) A8_GROUP(2) A8_GROUP(3) A8_GROUP(4) A8_GROUP(5)
-#undef A8_GROUP
+      const char* p = w + 512 * g;
+      // CH lines an iteration, not all 8: unrolled, GCC kept each (line, row)'s address apart and spilled them
+#pragma GCC unroll 1
+      for (int r = 0; r < 8; r += CH) {
+#pragma GCC unroll 2
+        for (int j = 0; j < CH; j++) {
+          if (MB > 1 || j == 0) _mm_prefetch(p + 64 * (r + j) + PREFETCH_AHEAD, _MM_HINT_T1);  // (as KernelI8v16)
+          const __m512i wv = _mm512_load_si512(p + 64 * (r + j));
+#pragma GCC unroll 24
+          for (int i = 0; i < MB; i++) V16_MADD(s[j][i], wv, x[i]);
+          x += M;
+        }
+      }
+#pragma GCC unroll 24
+      for (int i = 0; i < MB; i++) {
+        const __m512i sum = CH == 2 ? _mm512_add_epi32(s[0][i], s[CH - 1][i]) : s[0][i];
+        _mm512_store_ps(c[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(gs[g * M + m0 + i]),
+                                              _mm512_load_ps(c[i])));
+      }
     }
-#define A8_OUT(i) if (MB > i) finish16(a, m0 + i, n0, c##i);
-    A8_OUT(0) A8_OUT(1) A8_OUT(2) A8_OUT(3) A8_OUT(4) A8_OUT(5)
-#undef A8_OUT
+#pragma GCC unroll 24
+    for (int i = 0; i < MB; i++) finish16(a, m0 + i, n0, _mm512_load_ps(c[i]));
   }
 };
 
 // x (M, K), fp32 or bf16, in groups of 32 columns as KernelI4a8 and KernelI8a8 read it: per (row, group) s = max
 // |x| / 127 and q = x x (127 / max |x|) rounded to nearest even (|q| <= 127), as (K/4, M) words of 4 signed bytes;
-// gs (M, groups) s, gsum s x sum q, gcorr -128 x sum q. A group of zeros: s = 0; one with an inf or a NaN: s = NaN
-// (the row's outputs NaN)
+// gs (groups, M) s, gsum s x sum q, gcorr -128 x sum q (a group's rows side by side, as the kernels read them).
+// A group of zeros: s = 0; one with an inf or a NaN: s = NaN (the row's outputs NaN)
 template <typename E>
 inline __m512 xload512(const E* p) {  // attention's vload512 here: one definition was not inlined there
   if (sizeof(E) == 4) return _mm512_loadu_ps((const float*)p);
@@ -852,16 +859,16 @@ void quantize_groups8(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, 
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)));
       alignas(64) int32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (bad || std::isinf(amax) || amax == 0.0f) {
-        gs[m * groups + g] = gsum[m * groups + g] = amax == 0.0f && !bad ? 0.0f : NAN;
-        gcorr[m * groups + g] = 0;
+        gs[g * M + m] = gsum[g * M + m] = amax == 0.0f && !bad ? 0.0f : NAN;
+        gcorr[g * M + m] = 0;
       } else {
         const __m512 inv = _mm512_set1_ps(127.0f / amax);
         const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, inv)), qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
         const float s = amax / 127.0f;
-        gs[m * groups + g] = s;
+        gs[g * M + m] = s;
         const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qu, qv));
-        gsum[m * groups + g] = s * (float)qsum;
-        gcorr[m * groups + g] = -128 * qsum;
+        gsum[g * M + m] = s * (float)qsum;
+        gcorr[g * M + m] = -128 * qsum;
         _mm_store_si128((__m128i*)words, _mm512_cvtepi32_epi8(qu));
         _mm_store_si128((__m128i*)words + 1, _mm512_cvtepi32_epi8(qv));
       }
@@ -934,9 +941,9 @@ void rows_to_words16(const E* x, int64_t M, int64_t K, int32_t* xw, int32_t* cor
 // the int4 group sums; the scales into t.xs) or 8-bit groups (quantize_groups8: words, gcorr, gsum, gs)
 struct RoundedX {
   const int32_t* words;
-  const int32_t* ints;  // corr (M, 2) or gcorr (M, K/32)
-  const float* sums;    // int4's group sums (M, groups) or gsum (M, K/32)
-  const float* gs;      // 8-bit: each group's scale (M, K/32)
+  const int32_t* ints;  // corr (M, 2) or gcorr (K/32, M)
+  const float* sums;    // int4's group sums (M, groups) or gsum (K/32, M)
+  const float* gs;      // 8-bit: each group's scale (K/32, M)
 };
 template <typename E>
 RoundedX round_x_here(const E* x, Lin& t, int act_bits, bool group_sums) {
@@ -958,15 +965,17 @@ RoundedX round_x_here(const E* x, Lin& t, int act_bits, bool group_sums) {
 }
 
 // Weights in 16-row blocks on AVX-512 VNNI: KernelI8v16 and KernelI4v16 (x rounded to 16 bits a row), KernelI8a8 and
-// KernelI4a8 (8-bit groups). Each block meets the activation rows in blocks of at most 6 (int4 16-bit: 5), split
-// evenly (as run_linear); the threads take contiguous runs of blocks (grain blocks at least; an atomic counter handing
-// out chunks of N/256 rows instead cost 3-5 rows 1.2x the time: the streams lose their order). Each thread first
-// rounds x itself, into its own buffers: rounded once, by one thread while the other waited, the words were
-// written into lines the other core had read in the last call, and every store missed (~80% of the rounding's time,
-// 2.5-3.5% of a 5-to-17-token forward); now both round the same rows at once, each into lines only it reads.
+// KernelI4a8 (8-bit groups). Each block meets the activation rows in blocks of at most MOST (8-bit: 24, all of a
+// verification's rows in one pass; KernelI8v16 6, KernelI4v16 5: two sums a row, and KernelI8v16 gained nothing
+// from 9 rows in one pass), split evenly (as run_linear); the threads take contiguous runs of blocks (grain blocks at
+// least; an atomic counter handing out chunks of N/256 rows instead cost 3-5 rows 1.2x the time: the streams lose their
+// order). Each thread first rounds x itself, into its own buffers: rounded once, by one thread while the other waited,
+// the words were written into lines the other core had read in the last call, and every store missed (~80% of the
+// rounding's time, 2.5-3.5% of a 5-to-17-token forward); now both round the same rows at once, each into lines only it
+// reads.
 template <typename E>
 void run_blocks16(const Lin& a, const E* x, int act_bits, bool int8) {
-  const int most = int8 || act_bits == 8 ? 6 : 5;
+  const int most = act_bits == 8 ? (int8 ? KernelI8a8::MOST : KernelI4a8::MOST) : int8 ? 6 : 5;
   const int64_t grain = std::max<int64_t>(1, (int8 ? 2048 : 4096) / std::max<int64_t>(a.K, 1));
   const int64_t n_mb = (a.M + most - 1) / most;
   at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
@@ -975,8 +984,8 @@ void run_blocks16(const Lin& a, const E* x, int act_bits, bool int8) {
     for (int64_t b = b0; b < b1; b++)
       for (int64_t i = 0, m0 = 0; i < n_mb; i++) {
         const int mb = (int)((a.M - m0) / (n_mb - i));
-        if (act_bits == 8 && int8) one_block<KernelI8a8>(t, m0, mb, 16 * b, r.words, r.gs, r.ints);
-        else if (act_bits == 8) one_block<KernelI4a8>(t, m0, mb, 16 * b, r.words, r.gs, r.sums);
+        if (act_bits == 8 && int8) one_block<KernelI8a8, KernelI8a8::MOST>(t, m0, mb, 16 * b, r.words, r.gs, r.ints);
+        else if (act_bits == 8) one_block<KernelI4a8, KernelI4a8::MOST>(t, m0, mb, 16 * b, r.words, r.gs, r.sums);
         else if (int8) one_block<KernelI8v16>(t, m0, mb, 16 * b, r.words, r.ints);
         else one_block<KernelI4v16, 5>(t, m0, mb, 16 * b, r.words, r.sums);
         m0 += mb;

@@ -278,8 +278,8 @@ def test_int4_in_tall_blocks_sums_rows_rounded_to_16_bits(G):
 def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     """act_bits=8 (KernelI4a8, int4.g32.a8): x rounded to signed bytes in groups of 32 columns, each with its scale
     (round_groups8), exact integer sums a group, then the weight's and the group's scales and the offset: the outputs
-    are round_groups8's x @ the dequantized weight to fp32's rounding, at every M bit for bit (blocks of up to 6 rows,
-    one row in two chains of sums), with a group of zeros, NaN and inf rows, and the largest products; a8_takes says
+    are round_groups8's x @ the dequantized weight to fp32's rounding, at every M bit for bit (one pass of up to 24 rows:
+    both groups of a piece at once up to 8, one after the other above; one row in two chains of sums), with a group of zeros, NaN and inf rows, and the largest products; a8_takes says
     where it runs, and other weights get one error."""
     if kernels.isa() not in ("amx", "avx512_bf16"):
         pytest.skip("8-bit activations run on the AMX and AVX-512-BF16 builds' int4 tall blocks")
@@ -308,7 +308,7 @@ def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
                                atol=1e-5 * ref[ok].abs().max().item(), equal_nan=True)
     # not the 16-bit rows: a different (and, here, visible) result
     assert not torch.allclose(y[0], kernels.linear(x[:1], packed, None, tiled_scales, tiled_offsets)[0], rtol=1e-6)
-    for M in (1, 2, 3, 5, 6, 7, 12, 13, 17, 40):  # bit for bit (NaN rows: NaN)
+    for M in (1, 2, 3, 5, 6, 7, 8, 9, 12, 13, 17, 24, 25, 40):  # bit for bit (NaN rows: NaN)
         torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, offsets, act_bits=8), y[:M], rtol=0,
                                    atol=0, equal_nan=True, msg=f"M={M}")
     xb = x[:7].bfloat16()
@@ -324,8 +324,8 @@ def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
 def test_int8_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     """act_bits=8 on int8 lines (KernelI8a8, int8.a8; AVX-512-BF16 without AMX): the integer sums of a group of 32
     columns (each weight byte q + 128, the +128 taken back out by the group's sum of x's bytes), times the group's
-    scale, then the channel's: round_groups8's x @ the weight to fp32's rounding, every M bit for bit, at the largest
-    products; int8 in 4-row blocks or the AMX tiles is one error."""
+    scale, then the channel's: round_groups8's x @ the weight to fp32's rounding, every M bit for bit (one pass of up
+    to 24 rows, two above), at the largest products; int8 in 4-row blocks or the AMX tiles is one error."""
     g = torch.Generator().manual_seed(8)
     N, K = 64, 1536
     q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
@@ -337,7 +337,7 @@ def test_int8_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
         with pytest.raises(RuntimeError, match="8-bit activations"):
             kernels.linear(torch.randn(2, K), packed, None, scales, None, act_bits=8)
         pytest.skip("int8 with 8-bit activations runs on the AVX-512-BF16 build's int8 lines")
-    x = torch.randn(20, K, generator=g) * torch.logspace(-2, 2, K)
+    x = torch.randn(30, K, generator=g) * torch.logspace(-2, 2, K)
     x[1] = -1.0
     x[2, 32:64], x[3, 7] = 0.0, float("nan")
     xq, s = kernels.round_groups8(x)
@@ -349,7 +349,7 @@ def test_int8_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     assert y[1, 0].item() == pytest.approx(128 * K * scales[0].item(), rel=1e-5)
     torch.testing.assert_close(kernels.linear_reference(x, packed, None, scales, None, act_bits=8), y, rtol=1e-5,
                                atol=1e-5 * ref[ok].abs().max().item(), equal_nan=True)
-    for M in (1, 2, 5, 6, 7, 13, 20):
+    for M in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 24, 25):
         torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, None, act_bits=8), y[:M], rtol=0,
                                    atol=0, equal_nan=True, msg=f"M={M}")
 
