@@ -279,7 +279,7 @@ inline void group_sums(const Lin& a, const int16_t* xq, int64_t M, float* out) {
     }
 }
 
-// 1-MAX (5, 6 or 9) activation rows against a block of weight rows in one pass (the AVX-512 kernels' rows(), and
+// 1-MAX (5, 6 or 24) activation rows against a block of weight rows in one pass (the AVX-512 kernels' rows(), and
 // the 16-row blocks' runners, which pass their activation words on in `more`): block<mb>, found by counting down
 template <class Kernel, int MAX = 6, typename... More>
 inline void one_block(const Lin& a, int64_t m0, int mb, int64_t n0, const More&... more) {
