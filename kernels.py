@@ -587,8 +587,8 @@ struct KernelI8x512 {
 // bytes = 4 columns of 16 weight rows, each byte + 128, uint8): 16 output columns in a register, no horizontal sums.
 // The activations are rounded to 16-bit integers a row (rows_to_words16, qmax 32639) and split into two signed
 // bytes, x = 256 hi + lo (hi = (x + 128) >> 8); one vpdpbusd multiplies 4 columns of the 16 weight rows by 4 bytes
-// of a row, broadcast from memory (rows_to_words16's layout), so a 64-byte weight line costs 2 instructions a row and no
-// conversion, where KernelI8x512 sign-extends 2 x 32 weights and spends 2 vpdpwssd a row. Each (row, block) sums
+// of a row, broadcast from memory (rows_to_words16's layout), so a 64-byte weight line costs 2 instructions a row and
+// no conversion, where KernelI8x512 sign-extends 2 x 32 weights and spends 2 vpdpwssd a row. Each (row, block) sums
 // the high and the low bytes' products as int32, H and L, exact for K <= 65536; they start at -128 x the row's sum
 // of high (low) bytes, which takes the weights' +128 back out; the output is fl(fl(H) * 256 + fl(L)), then
 // finish16. One lane per output, in the same order whatever M is. (In L2, one thread, 768 x 576 at 5 rows: 19.7
@@ -596,6 +596,7 @@ struct KernelI8x512 {
 // acc += the weight line w (64 unsigned bytes) times 4 signed bytes of a row broadcast from memory, in 16 int32 lanes
 #define V16_MADD(acc, w, word) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(word))
 struct KernelI8v16 {
+  static constexpr int MOST = 6;  // rows a block: 12 chains of sums
   // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: rows_to_words16's (K/4, M, 2) words, corr: (M, 2)
   // the sums' starting values
   template <int MB>
@@ -646,6 +647,7 @@ struct KernelI8v16 {
 // the time of a group at a time, 1 row 0.93-0.99x), blocks of up to 5 rows (20 sums and 5 accumulators in
 // registers); larger groups one at a time, one row in two chains of sums (even and odd lines), as KernelI8v16.
 struct KernelI4v16 {
+  static constexpr int MOST = 5;  // rows a block: 20 sums and 5 accumulators
   // rows m0..m0+MB-1 against the block of 16 weight rows from n0; xw: rows_to_words16's (K/4, M, 2) words, xsum: (M,
   // groups) the rows' group sums of their 16-bit integers
   template <int MB>
@@ -975,7 +977,8 @@ RoundedX round_x_here(const E* x, Lin& t, int act_bits, bool group_sums) {
 // reads.
 template <typename E>
 void run_blocks16(const Lin& a, const E* x, int act_bits, bool int8) {
-  const int most = act_bits == 8 ? (int8 ? KernelI8a8::MOST : KernelI4a8::MOST) : int8 ? 6 : 5;
+  const int most = act_bits == 8 ? (int8 ? KernelI8a8::MOST : KernelI4a8::MOST)
+                                  : (int8 ? KernelI8v16::MOST : KernelI4v16::MOST);
   const int64_t grain = std::max<int64_t>(1, (int8 ? 2048 : 4096) / std::max<int64_t>(a.K, 1));
   const int64_t n_mb = (a.M + most - 1) / most;
   at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
@@ -986,8 +989,8 @@ void run_blocks16(const Lin& a, const E* x, int act_bits, bool int8) {
         const int mb = (int)((a.M - m0) / (n_mb - i));
         if (act_bits == 8 && int8) one_block<KernelI8a8, KernelI8a8::MOST>(t, m0, mb, 16 * b, r.words, r.gs, r.ints);
         else if (act_bits == 8) one_block<KernelI4a8, KernelI4a8::MOST>(t, m0, mb, 16 * b, r.words, r.gs, r.sums);
-        else if (int8) one_block<KernelI8v16>(t, m0, mb, 16 * b, r.words, r.ints);
-        else one_block<KernelI4v16, 5>(t, m0, mb, 16 * b, r.words, r.sums);
+        else if (int8) one_block<KernelI8v16, KernelI8v16::MOST>(t, m0, mb, 16 * b, r.words, r.ints);
+        else one_block<KernelI4v16, KernelI4v16::MOST>(t, m0, mb, 16 * b, r.words, r.sums);
         m0 += mb;
       }
   });
@@ -2350,23 +2353,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const at::Tensor xc = x.contiguous();
   // integer dot products (KernelI8, KernelI8x512, KernelI8v16, KernelI4v16, AMX tiles), x rounded straight
   if ((level < AVX512 && wt == W_I8) || int8_vnni || amx_i8 || tall_i4) {
-    // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
-    // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
-    static thread_local std::vector<int16_t> xbuf;
-    static thread_local std::vector<float> xs;
-    xs.resize(M);
-    if (amx_i8) {  // x straight into the tiles' bytes (panel_bytes_x), its rows' scales into xs
-      a.xs = xs.data();
-      if (xc.scalar_type() == at::kFloat) run_amx_i8_tall(a, xc.data_ptr<float>(), xs.data());
-      else run_amx_i8_tall(a, (const uint16_t*)xc.data_ptr(), xs.data());
-      return out;
-    }
+    // (each thread rounds x into its own buffers: run_blocks16)
     if (i8v16 || (tall_i4 && level == AVX512BF16)) {  // KernelI8v16, KernelI4v16: x = 256 hi + lo, both bytes signed
       if (xc.scalar_type() == at::kFloat) run_blocks16(a, xc.data_ptr<float>(), 16, i8v16);
       else run_blocks16(a, (const uint16_t*)xc.data_ptr(), 16, i8v16);
       return out;
     }
+    // kept from call to call (two allocations cost as much as the rounding), rows 64-byte aligned: with rows 16
+    // bytes off, half the 32-byte loads of x crossed a cache line and 5 rows ran at 0.7x (54 against 75 GMAC/s)
+    static thread_local std::vector<int16_t> xbuf;
+    static thread_local std::vector<float> xs;
+    xs.resize(M);
     a.xs = xs.data();
+    if (amx_i8) {  // x straight into the tiles' bytes (panel_bytes_x), its rows' scales into xs
+      if (xc.scalar_type() == at::kFloat) run_amx_i8_tall(a, xc.data_ptr<float>(), xs.data());
+      else run_amx_i8_tall(a, (const uint16_t*)xc.data_ptr(), xs.data());
+      return out;
+    }
     xbuf.resize(M * K + 32);
     int16_t* xq = (int16_t*)(((uintptr_t)xbuf.data() + 63) & ~(uintptr_t)63);  // K % 32 == 0: every row aligned
     // int4 in tall blocks: x = 256 hi + lo with both bytes signed (panel_bytes)
