@@ -278,8 +278,9 @@ def test_int4_in_tall_blocks_sums_rows_rounded_to_16_bits(G):
 def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     """act_bits=8 (KernelI4a8, int4.g32.a8): x rounded to signed bytes in groups of 32 columns, each with its scale
     (round_groups8), exact integer sums a group, then the weight's and the group's scales and the offset: the outputs
-    are round_groups8's x @ the dequantized weight to fp32's rounding, at every M bit for bit (one pass of up to 24 rows:
-    both groups of a piece at once up to 8, one after the other above; one row in two chains of sums), with a group of zeros, NaN and inf rows, and the largest products; a8_takes says
+    are round_groups8's x @ the dequantized weight to fp32's rounding, at every M bit for bit (one pass of up to 24
+    rows: both groups of a piece at once up to 8, one after the other above; one row in two chains of sums), with a
+    group of zeros, NaN and inf rows, and the largest products; a8_takes says
     where it runs, and other weights get one error."""
     if kernels.isa() not in ("amx", "avx512_bf16"):
         pytest.skip("8-bit activations run on the AMX and AVX-512-BF16 builds' int4 tall blocks")
