@@ -131,7 +131,9 @@ def guards_checked_once(calls_so_far: int):
 
 
 def cache_key() -> str:
-    return f"{torch.backends.cpu.get_cpu_capability().lower()}-{kernels.isa()}-ops{kernels.OPS_VERSION}-torch{torch.__version__}"
+    calls = "" if kernels.c_shims() or not kernels.load() else "-dispatcher"  # ops called through the dispatcher
+    return (f"{torch.backends.cpu.get_cpu_capability().lower()}-{kernels.isa()}{calls}-ops{kernels.OPS_VERSION}"
+            f"-torch{torch.__version__}")
 
 
 def compile_steps(device="cpu", cpp_wrapper=False):
@@ -151,6 +153,12 @@ def compile_steps(device="cpu", cpp_wrapper=False):
         torch._inductor.config.cpp_wrapper_build_separate = True
         # kernels.py's ops called as C functions, not through the dispatcher (1.5-3% a forward, kernels.c_shims)
         torch._inductor.config.aot_inductor.custom_ops_to_c_shims = kernels.c_shims()
+        # ... left out of the compiled-graph cache's key (cache_key() says whether they are on): its ops do not
+        # pickle, and every graph skipped the cache ("Cannot produce stable cache key"), re-running Inductor's
+        # code generation at each start (a verification graph: 41 s to the first call, 12.8 s from the cache)
+        ignored = torch._inductor.config._cache_config_ignore_prefix
+        if "aot_inductor.custom_ops_to_c_shims" not in ignored:
+            ignored.append("aot_inductor.custom_ops_to_c_shims")
     # one cache per instruction set, under the user's cache directory or .inductor-cache/: a workspace that comes
     # back on another kind of CPU (AVX2 after AVX-512) must not reuse kernels compiled for the other one (a shared
     # directory served an AVX-512 run's graph to AVX2 code: "index out of bounds"). Inductor writes its own default,

@@ -97,10 +97,12 @@ def test_compiled_decode_step_matches_eager():
 @pytest.mark.slow
 def test_cpp_wrapper_steps_match_eager():
     """--cpp_wrapper: the compiled decode step and EAGLE cycle launch their kernels (kernels.py's ops included, on
-    packed weights, called as C functions: kernels.c_shims) from C++; tokens equal eager decoding's (float32)."""
+    packed weights, called as C functions: kernels.c_shims) from C++; tokens equal eager decoding's (float32). The
+    graphs go through Inductor's graph cache (the C functions in its key once made every graph skip it)."""
     import kernels
     from eagle_head import random_head
     from model import pack_weights
+    from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
     model = make_tiny_model(dim=64, intermediate_size=192)
     drafter = gen.Drafter(random_head(model), "dynamic", depth=3, top_k=2, total_tokens=4)
@@ -114,12 +116,14 @@ def test_cpp_wrapper_steps_match_eager():
     original, setting = (gen.decode_one_token, gen.eagle_cycle), (config.cpp_wrapper, config.cpp_wrapper_build_separate)
     shims = config.aot_inductor.custom_ops_to_c_shims
     torch._dynamo.reset()  # graphs other tests compiled from the same functions would be reused
+    skipped = counters["inductor"]["fxgraph_cache_bypass"]
     try:
         gen.compile_steps("cpu", cpp_wrapper=True)
         assert config.cpp_wrapper_build_separate  # the launcher at -O1, apart from the kernels
         (plain, _), code = run_and_get_code(lambda: generate(model, prompt, 32, temperature=0))
         assert plain == eager
         assert generate(model, prompt, 32, temperature=0, draft=drafter)[0] == eager_spec == eager
+        assert counters["inductor"]["fxgraph_cache_bypass"] == skipped
     finally:
         gen.decode_one_token, gen.eagle_cycle = original
         config.cpp_wrapper, config.cpp_wrapper_build_separate = setting
