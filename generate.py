@@ -156,8 +156,8 @@ def compile_steps(device="cpu", cpp_wrapper=False):
         # ... left out of the compiled-graph cache's key (cache_key() says whether they are on): its ops do not
         # pickle, and every graph skipped the cache ("Cannot produce stable cache key"), re-running Inductor's
         # code generation at each start (a verification graph: 41 s to the first call, 12.8 s from the cache)
-        ignored = torch._inductor.config._cache_config_ignore_prefix
-        if "aot_inductor.custom_ops_to_c_shims" not in ignored:
+        ignored = getattr(torch._inductor.config, "_cache_config_ignore_prefix", None)  # (a private list)
+        if ignored is not None and "aot_inductor.custom_ops_to_c_shims" not in ignored:
             ignored.append("aot_inductor.custom_ops_to_c_shims")
     # one cache per instruction set, under the user's cache directory or .inductor-cache/: a workspace that comes
     # back on another kind of CPU (AVX2 after AVX-512) must not reuse kernels compiled for the other one (a shared
