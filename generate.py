@@ -5,6 +5,7 @@
     python generate.py --checkpoint checkpoints/MyModel --compile --dtype bfloat16
 """
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -123,11 +124,24 @@ def decode_n_tokens(model, cur_token, input_pos, num_new_tokens, stop_ids=(), ca
     return new_tokens
 
 
+_generation = {"epoch": 0, "direct": False}  # guards_checked_once's state, which DirectStep reads
+
+
+@contextlib.contextmanager
 def guards_checked_once(calls_so_far: int):
     """Dynamo checks ~4,500 guards (the model's modules, weights, caches, settings) before every compiled call:
     ~0.7 ms a call on this CPU. Within one generation none of what they check changes, so after a first guarded
-    call the loop runs the same graph without them (Dynamo still tells its cached graphs apart)."""
-    return torch.compiler.set_stance(skip_guard_eval_unsafe=calls_so_far > 0)
+    call the loop runs the same graph without them (Dynamo still tells its cached graphs apart), and on a CPU
+    without Dynamo at all (DirectStep). A generation's first call (calls_so_far 0) starts a new one."""
+    if calls_so_far == 0:
+        _generation["epoch"] += 1
+    before = _generation["direct"]
+    _generation["direct"] = calls_so_far > 0
+    try:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=calls_so_far > 0):
+            yield
+    finally:
+        _generation["direct"] = before
 
 
 def cache_key() -> str:
@@ -196,7 +210,65 @@ def compile_step(fn, device="cpu"):
     (docs/performance.md, "Thirty-ninth session")."""
     if torch.device(device).type == "cuda":
         return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp.min_chunk_size": 4096})
+    return DirectStep(fn)
+
+
+class DirectStep:
+    """A compiled CPU step whose calls after a generation's first skip Dynamo. Even with its guards skipped, Dynamo's
+    frame gathers the graph's ~490 inputs (weights, caches) from the modules on every call: ~0.7 ms of a 5.3 ms
+    one-token forward (int4, C++ launcher, this Zen 4). A generation's first call (guards_checked_once(0)) runs
+    through Dynamo, guarded, and notes the graph it ran, that graph's inputs and where the call's own tensors and
+    the graph's outputs sit among them; the generation's later calls with the same kinds of arguments call that
+    graph with those inputs, this call's tensors put in. The same contract as skipping the guards: within a
+    generation the modules' tensors change only in place (caches written by the graph), none is replaced."""
+
+    def __init__(self, fn):
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self._compile)
+        self.graphs = {}  # the calls' kinds -> (epoch, graph, inputs, call tensors' places, output places, spec)
+        self._ran = None
+
+    def _compile(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+        graph = compile_fx(gm, example_inputs, config_patches={"cpp.min_chunk_size": 4096})
+
+        def run(*inputs):
+            outputs = graph(*inputs)
+            self._ran = (graph, inputs, outputs)
+            return outputs
+        return run
+
+    def __call__(self, *args, **kwargs):
+        leaves, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        key = (torch.is_grad_enabled(),) + tuple((x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else
+                    x if isinstance(x, (int, float, str, type(None))) else id(x) for x in leaves)
+        known = self.graphs.get(key) if _generation["direct"] else None
+        if known is not None and known[0] == _generation["epoch"]:
+            _, graph, inputs, places, out_places, spec = known
+            inputs = list(inputs)
+            for i, j in places:
+                inputs[i] = leaves[j]
+            outputs = graph(*inputs)
+            return torch.utils._pytree.tree_unflatten([outputs[k] for k in out_places], spec)
+        self._ran = None
+        result = self.compiled(*args, **kwargs)
+        self._note(key, leaves, result)
+        return result
+
+    def _note(self, key, leaves, result):
+        ran, self._ran = self._ran, None
+        self.graphs.pop(key, None)
+        if ran is None:
+            return
+        graph, inputs, outputs = ran
+        tensors = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        places = [(i, j) for i, t in enumerate(inputs) for j in tensors if t is leaves[j]]
+        got, spec = torch.utils._pytree.tree_flatten(result)
+        out_places = [next((k for k, o in enumerate(outputs) if o is r), None) for r in got]
+        # only a result made of the graph's own outputs, each call tensor at most once among its inputs
+        if None in out_places or len({j for _, j in places}) != len(places) or len(dict(places)) != len(places):
+            return
+        inputs = [None if any(i == p for p, _ in places) else t for i, t in enumerate(inputs)]
+        self.graphs[key] = (_generation["epoch"], graph, inputs, places, out_places, spec)
 
 
 @torch.no_grad()

@@ -94,6 +94,42 @@ def test_compiled_decode_step_matches_eager():
 
 
 @pytest.mark.compile
+def test_direct_step_skips_dynamo_within_a_generation():
+    """compile_step on a CPU (DirectStep): a generation's first call runs through Dynamo, its later calls with the
+    same kinds of arguments call the graph it ran, with their own tensors; anything else goes through Dynamo."""
+    state = torch.zeros(4)  # module state: read by the graph and written in place, never replaced
+
+    def step(x, k):
+        state.add_(x)
+        return state * k, (x + 1).sum()
+
+    direct = gen.compile_step(step)
+    with torch.no_grad():
+        with gen.guards_checked_once(0):
+            first = direct(torch.ones(4), 2)
+        assert torch.equal(first[0], torch.full((4,), 2.0)) and first[1].item() == 8
+        dynamo = []
+        direct.compiled = lambda *a, **k: dynamo.append(a)  # Dynamo answers with None from here on
+        with gen.guards_checked_once(1):
+            values, total = direct(torch.full((4,), 2.0), 2)
+        assert not dynamo  # the graph itself ran: the new x was added to the state in place
+        assert torch.equal(values, torch.full((4,), 6.0)) and total.item() == 12 and torch.equal(state, values / 2)
+        with gen.guards_checked_once(1):
+            assert direct(torch.ones(4), 3) is None and len(dynamo) == 1  # another k: another graph, Dynamo's
+            assert direct(torch.ones(5), 2) is None and len(dynamo) == 2  # another shape likewise
+        with gen.guards_checked_once(0):
+            direct(torch.ones(4), 2)  # a new generation: its first call through Dynamo (caches may be new)
+        with gen.guards_checked_once(1):
+            direct(torch.ones(4), 2)  # ... and what that call left is all there is
+        assert len(dynamo) == 4
+
+    passed = gen.compile_step(lambda x: (x * 2, x))  # an input handed back as it is: not the graph's output
+    with torch.no_grad(), gen.guards_checked_once(0):
+        x = torch.ones(3)
+        assert passed(x)[1] is x and not passed.graphs  # such a step always runs through Dynamo
+
+
+@pytest.mark.compile
 @pytest.mark.slow
 def test_cpp_wrapper_steps_match_eager():
     """--cpp_wrapper: the compiled decode step and EAGLE cycle launch their kernels (kernels.py's ops included, on
