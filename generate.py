@@ -13,6 +13,7 @@ import resource
 import shutil
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -124,7 +125,8 @@ def decode_n_tokens(model, cur_token, input_pos, num_new_tokens, stop_ids=(), ca
     return new_tokens
 
 
-_generation = {"epoch": 0, "direct": False}  # guards_checked_once's state, which DirectStep reads
+_generation = {"direct": False}  # guards_checked_once's state, which DirectStep reads
+_direct_steps = weakref.WeakSet()  # every DirectStep: a new generation forgets what they noted in the last one
 
 
 @contextlib.contextmanager
@@ -134,7 +136,8 @@ def guards_checked_once(calls_so_far: int):
     call the loop runs the same graph without them (Dynamo still tells its cached graphs apart), and on a CPU
     without Dynamo at all (DirectStep). A generation's first call (calls_so_far 0) starts a new one."""
     if calls_so_far == 0:
-        _generation["epoch"] += 1
+        for step in _direct_steps:
+            step.graphs.clear()
     before = _generation["direct"]
     _generation["direct"] = calls_so_far > 0
     try:
@@ -224,8 +227,9 @@ class DirectStep:
 
     def __init__(self, fn):
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self._compile)
-        self.graphs = {}  # the calls' kinds -> (epoch, graph, inputs, call tensors' places, output places, spec)
+        self.graphs = {}  # this generation's calls' kinds -> (graph, inputs, call tensors' places, output places, spec)
         self._ran = None
+        _direct_steps.add(self)
 
     def _compile(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -242,8 +246,8 @@ class DirectStep:
         key = (torch.is_grad_enabled(),) + tuple((x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else
                     x if isinstance(x, (int, float, str, type(None))) else id(x) for x in leaves)
         known = self.graphs.get(key) if _generation["direct"] else None
-        if known is not None and known[0] == _generation["epoch"]:
-            _, graph, inputs, places, out_places, spec = known
+        if known is not None:
+            graph, inputs, places, out_places, spec = known
             inputs = list(inputs)
             for i, j in places:
                 inputs[i] = leaves[j]
@@ -268,7 +272,7 @@ class DirectStep:
         if None in out_places or len({j for _, j in places}) != len(places) or len(dict(places)) != len(places):
             return
         inputs = [None if any(i == p for p, _ in places) else t for i, t in enumerate(inputs)]
-        self.graphs[key] = (_generation["epoch"], graph, inputs, places, out_places, spec)
+        self.graphs[key] = (graph, inputs, places, out_places, spec)
 
 
 @torch.no_grad()
