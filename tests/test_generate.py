@@ -130,6 +130,30 @@ def test_direct_step_skips_dynamo_within_a_generation():
 
 
 @pytest.mark.compile
+def test_direct_steps_sample_as_dynamo_does(monkeypatch):
+    """Sampling through DirectStep draws the same random numbers as through Dynamo (the graphs' seeds come from
+    the generator at each call), plain and EAGLE alike; the same seed the same tokens, another seed others."""
+    from eagle_head import random_head
+    model = make_tiny_model()
+    drafter = gen.Drafter(random_head(model), "dynamic", depth=3, top_k=2, total_tokens=4)
+    prompt = torch.tensor([1, 2, 3, 4], dtype=torch.int)
+    model.setup_caches(1, 96)
+    plain_step, cycle = gen.decode_one_token, gen.eagle_cycle
+    runs = {}
+    for how, compile_step in (("dynamo", lambda f: torch.compile(f, fullgraph=True, dynamic=False)),
+                              ("direct", gen.compile_step)):
+        monkeypatch.setattr(gen, "decode_one_token", compile_step(plain_step))
+        monkeypatch.setattr(gen, "eagle_cycle", compile_step(cycle))
+        runs[how] = []
+        for seed in (0, 0, 1):
+            for draft in (None, drafter):
+                torch.manual_seed(seed)
+                runs[how].append(generate(model, prompt, 40, temperature=0.8, draft=draft)[0])
+    assert runs["direct"] == runs["dynamo"]
+    assert runs["direct"][:2] == runs["direct"][2:4] and runs["direct"][0] != runs["direct"][4]
+
+
+@pytest.mark.compile
 @pytest.mark.slow
 def test_cpp_wrapper_steps_match_eager():
     """--cpp_wrapper: the compiled decode step and EAGLE cycle launch their kernels (kernels.py's ops included, on
