@@ -243,8 +243,9 @@ class DirectStep:
 
     def __call__(self, *args, **kwargs):
         leaves, _ = torch.utils._pytree.tree_flatten((args, kwargs))
-        key = (torch.is_grad_enabled(),) + tuple((x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else
-                    x if isinstance(x, (int, float, str, type(None))) else id(x) for x in leaves)
+        key = (torch.is_grad_enabled(), len(args), tuple(kwargs)) + tuple(
+            (x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else
+            (type(x), x) if isinstance(x, (int, float, str, type(None))) else id(x) for x in leaves)
         known = self.graphs.get(key) if _generation["direct"] else None
         if known is not None:
             graph, inputs, places, out_places, spec = known
