@@ -210,7 +210,7 @@ def compile_step(fn, device="cpu"):
     CUDA graphs. On a CPU a graph's own kernels (norms, rotary, SiLU x mul) go parallel only where each thread gets
     4,096 values or more (Inductor's default, 512, split even one token's 1,536 SiLU values over two threads): at a
     few tokens an OpenMP region, a fork and a join of the threads kernels.py's linears use, cost more than it saved
-    (docs/performance.md, "Thirty-ninth session")."""
+    (docs/performance.md, "Thirty-ninth session"); and within a generation its calls skip Dynamo (DirectStep)."""
     if torch.device(device).type == "cuda":
         return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
     return DirectStep(fn)
