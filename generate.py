@@ -219,7 +219,7 @@ def compile_step(fn, device="cpu"):
 class DirectStep:
     """A compiled CPU step whose calls after a generation's first skip Dynamo. Even with its guards skipped, Dynamo's
     frame gathers the graph's ~490 inputs (weights, caches) from the modules on every call: ~0.7 ms of a 5.3 ms
-    one-token forward (int4, C++ launcher, this Zen 4). A generation's first call (guards_checked_once(0)) runs
+    one-token forward (int4, C++ launcher, a Zen 4). A generation's first call (guards_checked_once(0)) runs
     through Dynamo, guarded, and notes the graph it ran, that graph's inputs and where the call's own tensors and
     the graph's outputs sit among them; the generation's later calls with the same kinds of arguments call that
     graph with those inputs, this call's tensors put in. The same contract as skipping the guards: within a
@@ -270,9 +270,10 @@ class DirectStep:
         got, spec = torch.utils._pytree.tree_flatten(result)
         out_places = [next((k for k, o in enumerate(outputs) if o is r), None) for r in got]
         # only a result made of the graph's own outputs, each call tensor at most once among its inputs
-        if None in out_places or len({j for _, j in places}) != len(places) or len(dict(places)) != len(places):
+        taken = dict(places)
+        if None in out_places or len(set(taken.values())) != len(places) or len(taken) != len(places):
             return
-        inputs = [None if any(i == p for p, _ in places) else t for i, t in enumerate(inputs)]
+        inputs = [None if i in taken else t for i, t in enumerate(inputs)]  # kept: the modules' tensors only
         self.graphs[key] = (graph, inputs, places, out_places, spec)
 
 
