@@ -2209,6 +2209,178 @@ inline float softmax_numerators256(float* s, int64_t n) {
   return reduce1_256(sum);
 }
 
+// 8-bit activations on AVX2 (the .a8 variants, as KernelI4a8 and KernelI8a8 on AVX-512 VNNI): x rounded by
+// quantize_groups8's rule, the same tall blocks (pack(..., act_bits=8) lays them out on these builds too), half a
+// 64-byte line (8 weight rows x 4 columns) a register, the same integer sums S a (row, group) and the same fp32 steps
+// on them in group order, so the same bits as the AVX-512 builds. AVX2 has no vpdpbusd: vpmaddubsw multiplies
+// unsigned by signed bytes into pairs of 16-bit sums (saturating), and vpmaddwd by ones widens those to 32 bits.
+// x rounded as quantize_groups8 does (the same words, scales and sums), with AVX2
+template <typename E>
+void quantize_groups8_256(const E* x, int64_t M, int64_t K, int32_t* xw, float* gs, float* gsum, int32_t* gcorr) {
+  const int64_t groups = K / 32;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lanes back into column order
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      const E* r = x + m * K + 32 * g;
+      __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      for (int j = 0; j < 4; j++) {
+        v[j] = xload(r + 8 * j);
+        const __m256 u = _mm256_and_ps(v[j], abs_mask);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, u);
+      }
+      const float amax = max1_256(mx);
+      const bool nan = _mm256_movemask_ps(bad) != 0;
+      const int64_t at = g * M + m;
+      alignas(32) int32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (nan || std::isinf(amax) || amax == 0.0f) {
+        gs[at] = gsum[at] = amax == 0.0f && !nan ? 0.0f : NAN;
+        gcorr[at] = 0;
+      } else {
+        const __m256 inv = _mm256_set1_ps(127.0f / amax);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // |q| <= 127
+        const float s = amax / 127.0f;
+        gs[at] = s;
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256((__m256i*)lanes, t);
+        int32_t qsum = 0;
+        for (int j = 0; j < 8; j++) qsum += lanes[j];
+        gsum[at] = s * (float)qsum;
+        gcorr[at] = -128 * qsum;
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_store_si256((__m256i*)words, _mm256_permutevar8x32_epi32(b, order));
+      }
+      for (int j = 0; j < 8; j++) xw[(8 * g + j) * M + m] = words[j];
+    }
+}
+
+// int4 groups of 32 (_int4_tiles): a line's low nibbles are group g's 4 columns of 16 weight rows, its high ones
+// group g + 1's. Per row and group, 8 lines of vpmaddubsw (nibble x signed byte: a pair at most 2 x 15 x 127) summed
+// in 16 bits (8 pairs at most 30480: no saturation, exact), then vpmaddwd by ones: S. A group at a time (the line
+// read again for the odd group, from L1): up to 5 rows both halves of a line at once (weight rows 0-7 and 8-15, one
+// broadcast of x for both), more rows one half at a time (8 rows a pass, one sum a row). Both groups at once,
+// two sums a row and half, spilled at 5 rows (1.86x one row's time there)
+struct KernelI4a8x256 {
+  static constexpr int MOST = 8;
+  template <int MB>
+  static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* gs, const float* gsum) {
+    constexpr int H = MB <= 5 ? 2 : 1;  // halves a pass
+    const int64_t M = a.M;
+    const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
+    const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
+    const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    alignas(32) float c[MB][16] = {};
+    for (int64_t g = 0; g < a.groups; g++) {
+      const char* p = w + (g >> 1) * 512;
+      const int shift = 4 * (int)(g & 1);  // the low nibbles are the even group's
+      const int32_t* x = xw + 8 * g * M + m0;  // group g's words: line r's x[r M + i]
+      for (int h0 = 0; h0 < 2; h0 += H) {
+        __m256i s[H][MB];
+#pragma GCC unroll 2
+        for (int h = 0; h < H; h++)
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; i++) s[h][i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int r = 0; r < 8; r++) {
+          if (h0 == 0 && !(g & 1)) _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);
+          __m256i wq[H];
+#pragma GCC unroll 2
+          for (int h = 0; h < H; h++)
+            wq[h] = _mm256_and_si256(_mm256_srli_epi16(_mm256_load_si256((const __m256i*)(p + 64 * r + 32 * (h0 + h))),
+                                                       shift), nibble);
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; i++) {
+            const __m256i xb = _mm256_set1_epi32(x[r * M + i]);
+#pragma GCC unroll 2
+            for (int h = 0; h < H; h++) s[h][i] = _mm256_add_epi16(s[h][i], _mm256_maddubs_epi16(wq[h], xb));
+          }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < H; h++) {  // KernelI4a8's steps on each of these 8 outputs
+          const int o = 8 * (h0 + h);
+          const __m256 sc = _mm256_loadu_ps(bsc + 16 * g + o), of = _mm256_loadu_ps(bof + 16 * g + o);
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; i++) {
+            const int64_t at = g * M + m0 + i;
+            const __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[h][i], ones)),
+                                               _mm256_mul_ps(sc, _mm256_set1_ps(gs[at])), _mm256_load_ps(c[i] + o));
+            _mm256_store_ps(c[i] + o, _mm256_fmadd_ps(of, _mm256_set1_ps(gsum[at]), acc));
+          }
+        }
+      }
+    }
+    for (int i = 0; i < MB; i++)
+      for (int j = 0; j < 16; j += 4) finish4(a, m0 + i, n0 + j, _mm_load_ps(c[i] + j));
+  }
+};
+
+// int8 lines (_vnni_lines, each byte q + 128; q in -127..127, a8_takes checks): the top bit flipped back to q, then
+// vpmaddubsw on |x| and q with x's sign (a pair at most 2 x 127 x 127: exact), vpmaddwd by ones, 32-bit sums: S =
+// sum q x, the AVX-512 kernel's S; then acc += fl(S) x s in group order, the channel's scale in finish4
+struct KernelI8a8x256 {
+  static constexpr int MOST = 6;
+  template <int MB>
+  static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* gs, const int32_t*) {
+    const int64_t M = a.M, groups = a.K / 32;
+    const char* w = a.w + n0 * a.K;  // block n0 / 16: 16 K bytes, a line 4 columns of its 16 rows
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    alignas(32) float c[MB][16] = {};
+    for (int64_t g = 0; g < groups; g++) {
+      const char* p = w + 512 * g;
+      for (int h = 0; h < 2; h++) {
+        __m256i s[MB];
+#pragma GCC unroll 8
+        for (int i = 0; i < MB; i++) s[i] = _mm256_setzero_si256();
+        const int32_t* x = xw + 8 * g * M + m0;
+#pragma GCC unroll 2
+        for (int r = 0; r < 8; r++) {
+          if (h == 0) _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);
+          const __m256i q = _mm256_xor_si256(_mm256_load_si256((const __m256i*)(p + 64 * r + 32 * h)), flip);
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; i++) {
+            const __m256i xb = _mm256_set1_epi32(x[r * M + i]);
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(q, xb));
+            s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MB; i++)
+          _mm256_store_ps(c[i] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_set1_ps(gs[g * M + m0 + i]),
+                                                        _mm256_load_ps(c[i] + 8 * h)));
+      }
+    }
+    for (int i = 0; i < MB; i++)
+      for (int j = 0; j < 16; j += 4) finish4(a, m0 + i, n0 + j, _mm_load_ps(c[i] + j));
+  }
+};
+
+// run_blocks16 for these: each thread rounds x into its own buffers, then its run of blocks, rows split evenly
+template <typename E>
+void run_blocks16_256(const Lin& a, const E* x, bool int8) {
+  const int most = int8 ? KernelI8a8x256::MOST : KernelI4a8x256::MOST;
+  const int64_t grain = std::max<int64_t>(1, (int8 ? 2048 : 4096) / std::max<int64_t>(a.K, 1));
+  const int64_t n_mb = (a.M + most - 1) / most;
+  at::parallel_for(0, a.N / 16, grain, [&](int64_t b0, int64_t b1) {
+    static thread_local std::vector<int32_t> words, ints;
+    static thread_local std::vector<float> gs, sums;
+    const int64_t M = a.M, K = a.K;
+    int32_t* xw = scratch64(words, M * K / 4);
+    gs.resize(M * K / 32), sums.resize(M * K / 32), ints.resize(M * K / 32);
+    quantize_groups8_256(x, M, K, xw, gs.data(), sums.data(), ints.data());
+    for (int64_t b = b0; b < b1; b++)
+      for (int64_t i = 0, m0 = 0; i < n_mb; i++) {
+        const int mb = (int)((M - m0) / (n_mb - i));
+        if (int8) one_block<KernelI8a8x256, KernelI8a8x256::MOST>(a, m0, mb, 16 * b, xw, gs.data(), ints.data());
+        else one_block<KernelI4a8x256, KernelI4a8x256::MOST>(a, m0, mb, 16 * b, xw, gs.data(), sums.data());
+        m0 += mb;
+      }
+  });
+}
+
 #pragma GCC pop_options
 
 // ------------------------------------------------------------------------------------------------ linear
@@ -2252,10 +2424,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(wt != W_BF16 || x.scalar_type() == at::kBFloat16, "eagle_fast::linear: bf16 weights need bf16 x");
   const int level = isa();
   TORCH_CHECK(level >= AVX2, "eagle_fast::linear: this CPU has no AVX2");
-  TORCH_CHECK(w.size(2) == 4 || (K <= 65536 && (i8v16 ? level == AVX512BF16
-                                                     : wt == W_I4 ? level >= AVX512BF16 : level == AMX && wt != W_F32)),
-              "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs, and int8 and "
-              "int4 on AVX-512 VNNI ones without AMX (kernels.pack made them here)");
+  // (on AVX2 builds int8 lines and int4 tall blocks with 8-bit activations: pack(..., act_bits=8) made them)
+  const bool avx2_a8 = act_bits == 8 && level < AVX512 && (i8v16 || wt == W_I4);
+  TORCH_CHECK(w.size(2) == 4 || (K <= 65536 && (avx2_a8 || (i8v16 ? level == AVX512BF16
+                                                     : wt == W_I4 ? level >= AVX512BF16 : level == AMX && wt != W_F32))),
+              "eagle_fast::linear: tall blocks (16 rows) are for bf16, int8 and int4 weights on AMX CPUs, int8 and "
+              "int4 on AVX-512 VNNI ones without AMX, and with act_bits 8 on AVX2 ones (kernels.pack made them here)");
   Lin a{M, N, K, 1, 0, 1, nullptr, nullptr, nullptr, nullptr, (const char*)w.data_ptr(), (int64_t)(w.size(3) * w.element_size()),
         nullptr, nullptr, nullptr, nullptr, x.scalar_type() == at::kBFloat16};
   a.int4i = int4i;
@@ -2314,10 +2488,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(!amx_i8 || K % 64 == 0, "eagle_fast::linear: int8 tall blocks take K % 64 == 0");
   TORCH_CHECK(act_bits == 16 || (act_bits == 8 && ((tall_i4 && a.G == 32) || i8v16)),
               "eagle_fast::linear: 8-bit activations are for int4 groups of 32 in tall blocks and int8 lines "
-              "(AVX-512 VNNI); act_bits is 16 otherwise");
-  if (act_bits == 8) {  // KernelI4a8, KernelI8a8: x in 8-bit groups of 32, each with its scale
+              "(AVX2, AVX-512 VNNI); act_bits is 16 otherwise");
+  if (act_bits == 8) {  // KernelI4a8, KernelI8a8 (AVX2: their x256 forms): x in 8-bit groups of 32, each with its scale
     const at::Tensor xc = x.contiguous();
-    if (xc.scalar_type() == at::kFloat) run_blocks16(a, xc.data_ptr<float>(), 8, i8v16);
+    if (level < AVX512) {
+      if (xc.scalar_type() == at::kFloat) run_blocks16_256(a, xc.data_ptr<float>(), i8v16);
+      else run_blocks16_256(a, (const uint16_t*)xc.data_ptr(), i8v16);
+    } else if (xc.scalar_type() == at::kFloat) run_blocks16(a, xc.data_ptr<float>(), 8, i8v16);
     else run_blocks16(a, (const uint16_t*)xc.data_ptr(), 8, i8v16);
     return out;
   }
@@ -3395,14 +3572,15 @@ def can_pack(weight: Tensor) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8) and load())
 
 
-def pack(weight: Tensor) -> Tensor:
+def pack(weight: Tensor, act_bits: int = 16) -> Tensor:
     """(N, K) -> (N/4, K/32, 4, 32): blocks of 4 rows x 32 columns, a block's rows one after another (int4 nibbles
     (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); bf16, int8 and int4 on AMX (block_rows 16) as the tiles' B
     operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles); on AVX-512-BF16 CPUs
     without AMX int8 as uint8 (N/16, K/64, 16, 64) (_vnni_lines) and int4 as on AMX. The same numbers, re-laid so
-    that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages)."""
+    that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages).
+    act_bits 8 (a .a8 module's weights): on the AVX2 builds int8 and int4 in those AVX-512 layouts too (block_rows)."""
     N, width = weight.shape
-    C, R = 32, block_rows(weight)
+    C, R = 32, block_rows(weight, act_bits)
     if weight.dtype == torch.uint8 and R == 16:
         blocks = _int4_tiles(weight.detach())
     elif R == 16 and weight.dtype == torch.int8 and isa() != "amx":
@@ -3439,15 +3617,17 @@ def on_huge_pages(t: Tensor) -> bool:
         return False
 
 
-def block_rows(weight: Tensor) -> int:
+def block_rows(weight: Tensor, act_bits: int = 16) -> int:
     """Rows of pack()'s blocks: 16 for bf16, int8 and int4 weights where the AMX build runs (N % 16 == 0, K % 64 ==
     0: a block is the tiles' B operand, _vnni_tiles / _int4_tiles), and for int8 and int4 ones where the AVX-512-BF16
-    build runs (_vnni_lines, _int4_tiles: 16 output columns in a register); else 4."""
+    build runs (_vnni_lines, _int4_tiles: 16 output columns in a register), or the AVX2 builds with 8-bit
+    activations (act_bits 8: the .a8 kernels' layouts, half a line a register); else 4."""
     N, width = weight.shape
     K = 2 * width if weight.dtype == torch.uint8 else width
     tall = (weight.dtype in (torch.bfloat16, torch.int8, torch.uint8) and weight.device.type == "cpu" and N % 16 == 0
             and K <= 65536 and K % 64 == 0)
-    vnni = weight.dtype in (torch.int8, torch.uint8) and isa() == "avx512_bf16"
+    vnni = weight.dtype in (torch.int8, torch.uint8) and (
+        isa() == "avx512_bf16" or (act_bits == 8 and isa() in ("avx2", "avx2_vnni")))
     return 16 if tall and load() and (isa() == "amx" or vnni) else 4
 
 
@@ -3479,14 +3659,17 @@ def _vnni_lines(weight: Tensor) -> Tensor:
 
 
 def a8_takes(packed: Tensor, scales: Tensor) -> bool:
-    """Whether linear(..., act_bits=8) runs these packed weights: int4 groups of 32 in tall blocks (pack on an AMX
-    or AVX-512-BF16 CPU; KernelI4a8), or int8 lines (pack on an AVX-512-BF16 CPU without AMX; KernelI8a8)."""
+    """Whether linear(..., act_bits=8) runs these packed weights: int4 groups of 32 in tall blocks (pack on an AMX,
+    AVX-512-BF16 or, with act_bits 8, AVX2 CPU; KernelI4a8), or int8 lines (pack on an AVX-512-BF16 CPU without AMX,
+    or on an AVX2 one with act_bits 8; KernelI8a8). AVX2 multiplies |x| by q with x's sign, so there q = -128 (byte
+    0, which quantize_int8 never writes) is refused."""
     if not (load() and packed.dtype == torch.uint8 and packed.dim() == 4 and scales is not None):
         return False
+    avx2 = isa() in ("avx2", "avx2_vnni")
     if tuple(packed.shape[2:]) == (16, 64):
-        return isa() == "avx512_bf16"
+        return isa() == "avx512_bf16" or (avx2 and not bool((packed == 0).any()))
     return (tuple(packed.shape[2:]) == (16, 32) and scales.dim() >= 2 and 64 * packed.shape[1] == 32 * scales.shape[1]
-            and isa() in ("amx", "avx512_bf16"))
+            and (isa() in ("amx", "avx512_bf16") or avx2))
 
 
 def int4i_takes(weight: Tensor) -> bool:

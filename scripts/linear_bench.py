@@ -8,7 +8,7 @@ w1 and w3 1536 x 576, w2 576 x 1536), random weights, times 30 layers.
 Prints the median of 7 rounds of 100 layers, in ms for 30 layers: one layer's weights, so they stay in the caches
 (the kernels' arithmetic). --stream: 30 layers' own weights (w1 and w3 fused) and the 49152 x 576 LM head, as a
 forward reads them from memory; the median of 15 passes, in ms a forward. --act_bits 8: int8 and int4 weights with x
-rounded to 8 bits in groups of 32 (the .a8 variants; AVX-512 VNNI builds).
+rounded to 8 bits in groups of 32 (the .a8 variants; AVX2 and AVX-512 VNNI builds).
 """
 import argparse
 import sys
@@ -21,15 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 
 
-def weight(kind, N, K):
-    """(packed, scales, offsets) of a random N x K weight."""
+def weight(kind, N, K, act_bits=16):
+    """(packed, scales, offsets) of a random N x K weight, packed for act_bits."""
     if kind == "int4":
-        packed = kernels.pack(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8))
+        packed = kernels.pack(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8), act_bits)
         # the scales and offsets laid out as quantize.py stores them (as the tiles read them on AMX)
         return (packed, kernels.tile_groups(torch.rand(N, K // 32) / 15, packed),
                 kernels.tile_groups(-torch.rand(N, K // 32), packed))
     if kind == "int8":
-        return kernels.pack(torch.randint(-127, 128, (N, K), dtype=torch.int8)), torch.rand(N) / 127, None
+        return kernels.pack(torch.randint(-127, 128, (N, K), dtype=torch.int8), act_bits), torch.rand(N) / 127, None
     return kernels.pack(torch.randn(N, K).bfloat16() / K ** 0.5), None, None
 
 
@@ -44,7 +44,7 @@ def main():
     args = p.parse_args()
     if not kernels.load():
         sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
-    if args.act_bits == 8 and (args.weights == "bfloat16" or not kernels.a8_takes(*weight(args.weights, 64, 576)[:2])):
+    if args.act_bits == 8 and (args.weights == "bfloat16" or not kernels.a8_takes(*weight(args.weights, 64, 576, 8)[:2])):
         sys.exit(f"error: --act_bits 8 takes int8 or int4 weights where kernels.py runs them so (this build: "
                  f"{kernels.isa()}; see kernels.a8_takes)")
     torch.set_num_threads(args.threads)
@@ -53,7 +53,7 @@ def main():
     shapes = [(960, 576), (576, 576)] + ([(3072, 576)] if fused else [(1536, 576)] * 2) + [(576, 1536)]
     if args.stream:
         shapes = shapes * 30 + [(49152, 576)]
-    layer = [(weight(args.weights, N, K), K) for N, K in shapes]
+    layer = [(weight(args.weights, N, K, args.act_bits), K) for N, K in shapes]
     out = []
     for M in args.rows:
         xs = [torch.randn(M, K).bfloat16() for _, K in layer]

@@ -275,15 +275,15 @@ def test_int4_in_tall_blocks_sums_rows_rounded_to_16_bits(G):
         kernels.linear(x[:1], packed, None, tiled_scales[:-1].contiguous(), tiled_offsets[:-1].contiguous())
 
 
-def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
-    """act_bits=8 (KernelI4a8, int4.g32.a8): x rounded to signed bytes in groups of 32 columns, each with its scale
-    (round_groups8), exact integer sums a group, then the weight's and the group's scales and the offset: the outputs
-    are round_groups8's x @ the dequantized weight to fp32's rounding, at every M bit for bit (one pass of up to 24
-    rows: both groups of a piece at once up to 8, one after the other above; one row in two chains of sums), with a
-    group of zeros, NaN and inf rows, and the largest products; a8_takes says
-    where it runs, and other weights get one error."""
-    if kernels.isa() not in ("amx", "avx512_bf16"):
-        pytest.skip("8-bit activations run on the AMX and AVX-512-BF16 builds' int4 tall blocks")
+def test_int4_with_8_bit_activations_matches_x_rounded_to_bytes():
+    """act_bits=8 (KernelI4a8, int4.g32.a8; KernelI4a8x256 on AVX2): x rounded to signed bytes in groups of 32
+    columns, each with its scale (round_groups8), exact integer sums a group, then the weight's and the group's scales
+    and the offset: the outputs are round_groups8's x @ the dequantized weight to fp32's rounding, at every M bit for
+    bit (one pass of up to 24 rows: both groups of a piece at once up to 8, one after the other above; one row in two
+    chains of sums; AVX2: 8 rows a pass, both halves of a line up to 5), with a group of zeros, NaN and inf rows, and
+    the largest products; a8_takes says where it runs, and other weights get one error."""
+    if kernels.isa() not in ("amx", "avx512_bf16", "avx2", "avx2_vnni"):
+        pytest.skip("8-bit activations run on the AMX, AVX-512-BF16 and AVX2 builds' int4 tall blocks")
     g = torch.Generator().manual_seed(7)
     N, K = 96, 1536
     nibbles = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
@@ -292,7 +292,7 @@ def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     x = torch.randn(40, K, generator=g) * torch.logspace(-2, 2, K)
     x[1] = -1.0  # every product of row 1 and weight row 0 at its largest: q = -127
     x[2, 64:96], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
-    packed = kernels.pack(nibbles)
+    packed = kernels.pack(nibbles, act_bits=8)
     tiled_scales, tiled_offsets = kernels.tile_groups(scales, packed), kernels.tile_groups(offsets, packed)
     assert kernels.a8_takes(packed, tiled_scales) and kernels.a8_takes(packed, scales)
     q, s = kernels.round_groups8(x)
@@ -307,8 +307,12 @@ def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     assert y[1, 0].item() == pytest.approx(-(15 * scales[0] + offsets[0]).sum().item() * 32, rel=1e-5)
     torch.testing.assert_close(kernels.linear_reference(x, packed, None, scales, offsets, act_bits=8), y, rtol=1e-5,
                                atol=1e-5 * ref[ok].abs().max().item(), equal_nan=True)
-    # not the 16-bit rows: a different (and, here, visible) result
-    assert not torch.allclose(y[0], kernels.linear(x[:1], packed, None, tiled_scales, tiled_offsets)[0], rtol=1e-6)
+    if kernels.isa() in ("amx", "avx512_bf16"):  # not the 16-bit rows: a different (and, here, visible) result
+        assert not torch.allclose(y[0], kernels.linear(x[:1], packed, None, tiled_scales, tiled_offsets)[0], rtol=1e-6)
+    else:  # AVX2: these blocks are for 8-bit activations only, and 16-bit ones a 4-row layout
+        with pytest.raises(RuntimeError, match="tall blocks"):
+            kernels.linear(x[:1], packed, None, tiled_scales, tiled_offsets)
+        assert kernels.pack(nibbles).shape[2] == 4
     for M in (1, 2, 3, 5, 6, 7, 8, 9, 12, 13, 17, 24, 25, 40):  # bit for bit (NaN rows: NaN)
         torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, offsets, act_bits=8), y[:M], rtol=0,
                                    atol=0, equal_nan=True, msg=f"M={M}")
@@ -322,22 +326,28 @@ def test_int4_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
         kernels.linear(x[:2], packed, None, scales[:, ::2].contiguous(), offsets[:, ::2].contiguous(), act_bits=8)
 
 
-def test_int8_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
-    """act_bits=8 on int8 lines (KernelI8a8, int8.a8; AVX-512-BF16 without AMX): the integer sums of a group of 32
-    columns (each weight byte q + 128, the +128 taken back out by the group's sum of x's bytes), times the group's
-    scale, then the channel's: round_groups8's x @ the weight to fp32's rounding, every M bit for bit (one pass of up
-    to 24 rows, two above), at the largest products; int8 in 4-row blocks or the AMX tiles is one error."""
+def test_int8_with_8_bit_activations_matches_x_rounded_to_bytes():
+    """act_bits=8 on int8 lines (KernelI8a8, int8.a8; AVX-512-BF16 without AMX; KernelI8a8x256 on AVX2): the
+    integer sums of a group of 32 columns (each weight byte q + 128, the +128 taken back out by the group's sum of x's
+    bytes; AVX2: |x| times q with x's sign), times the group's scale, then the channel's: round_groups8's x @ the
+    weight to fp32's rounding, every M bit for bit (one pass of up to 24 rows, two above; AVX2 6 rows a pass), at the
+    largest products (q = -128 on AVX-512, which AVX2 refuses); int8 in 4-row blocks or the AMX tiles is one error."""
     g = torch.Generator().manual_seed(8)
     N, K = 64, 1536
     q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
-    q[0] = -128  # every product of row 1 and weight row 0 at its largest
+    avx2 = kernels.isa() in ("avx2", "avx2_vnni")
+    if avx2:  # |x| times q with x's sign: -128 would come back as -128
+        q[0] = -128
+        assert not kernels.a8_takes(kernels.pack(q, act_bits=8), torch.rand(N, generator=g) / 127)
+    lowest = -127 if avx2 else -128
+    q[0] = lowest  # every product of row 1 and weight row 0 at its largest
     scales = torch.rand(N, generator=g) / 127
-    packed = kernels.pack(q)
+    packed = kernels.pack(q, act_bits=8)
     if not kernels.a8_takes(packed, scales):
-        assert kernels.isa() != "avx512_bf16"
+        assert kernels.isa() != "avx512_bf16" and not avx2
         with pytest.raises(RuntimeError, match="8-bit activations"):
             kernels.linear(torch.randn(2, K), packed, None, scales, None, act_bits=8)
-        pytest.skip("int8 with 8-bit activations runs on the AVX-512-BF16 build's int8 lines")
+        pytest.skip("int8 with 8-bit activations runs on the AVX-512-BF16 and AVX2 builds' int8 lines")
     x = torch.randn(30, K, generator=g) * torch.logspace(-2, 2, K)
     x[1] = -1.0
     x[2, 32:64], x[3, 7] = 0.0, float("nan")
@@ -347,7 +357,7 @@ def test_int8_with_8_bit_activations_sums_groups_of_x_rounded_to_bytes():
     assert y[3].isnan().all() and not y[[0, 1, 2, 4]].isnan().any()
     ok = ~ref.isnan()
     assert torch.allclose(y[ok], ref[ok], rtol=1e-5, atol=1e-5 * ref[ok].abs().max().item())
-    assert y[1, 0].item() == pytest.approx(128 * K * scales[0].item(), rel=1e-5)
+    assert y[1, 0].item() == pytest.approx(-lowest * K * scales[0].item(), rel=1e-5)
     torch.testing.assert_close(kernels.linear_reference(x, packed, None, scales, None, act_bits=8), y, rtol=1e-5,
                                atol=1e-5 * ref[ok].abs().max().item(), equal_nan=True)
     for M in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 24, 25):
@@ -603,6 +613,42 @@ packed = kernels.pack(q)
 torch.save({"isa": kernels.isa(), "y": [kernels.linear(x[:m], packed, None, scales) for m in (1, 2, 5, 6, 9, 17)]},
            sys.argv[1])
 """
+
+
+A8_OUTPUTS = """
+import sys, torch, kernels
+g = torch.Generator().manual_seed(4)
+N, K = 64, 1536
+nibbles = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+scales, offsets = torch.rand(N, K // 32, generator=g) / 15, -torch.rand(N, K // 32, generator=g)
+q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+qs = torch.rand(N, generator=g) / 127
+x = torch.randn(17, K, generator=g) * torch.logspace(-2, 2, K)
+p4, p8 = kernels.pack(nibbles, act_bits=8), kernels.pack(q, act_bits=8)
+y = []
+for m in (1, 2, 5, 6, 9, 17):
+    for xm in (x[:m], x[:m].bfloat16()):
+        y += [kernels.linear(xm, p4, None, kernels.tile_groups(scales, p4), kernels.tile_groups(offsets, p4), act_bits=8),
+              kernels.linear(xm, p8, None, qs, None, act_bits=8)]
+torch.save({"isa": kernels.isa(), "y": y}, sys.argv[1])
+"""
+
+
+def test_avx2_8_bit_activations_equal_avx512s_bit_for_bit(tmp_path):
+    """The .a8 kernels of the AVX2 build (KernelI4a8x256, KernelI8a8x256) sum the same integers a group and take the
+    same fp32 steps as the AVX-512-BF16 build's: the same bits at every M, fp32 and bf16 x."""
+    if RANK[kernels.isa()] < RANK["avx512_bf16"]:
+        pytest.skip("needs a CPU that runs both builds (AVX-512-BF16)")
+    out = {}
+    for isa in ("avx2", "avx512_bf16"):
+        r = subprocess.run([sys.executable, "-c", A8_OUTPUTS, str(tmp_path / isa)], env={**os.environ, "EAGLE_KERNELS": isa},
+                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[isa] = torch.load(tmp_path / isa, weights_only=True)
+        assert out[isa]["isa"] == isa
+    assert len(out["avx2"]["y"]) == 24
+    for a, b in zip(out["avx2"]["y"], out["avx512_bf16"]["y"]):
+        assert torch.equal(a, b)
 
 
 def test_avx_vnni_int8_outputs_equal_avx2s_bit_for_bit(tmp_path):

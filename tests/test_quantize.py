@@ -448,7 +448,7 @@ def test_8_bit_activations_by_name(tmp_path, monkeypatch, name):
             Q.parse_name(bad)
     ckpt = save_checkpoint(make_tiny_model(seed=5, **WIDE), tmp_path / "ckpt")
     Q.main(["--checkpoint", str(ckpt), "--mode", name.split(".")[0], "--quantize_head"])
-    runs = ("avx512_bf16",) if name.startswith("int8") else ("amx", "avx512_bf16")  # int8 on AMX: tiles, not lines
+    runs = ("avx512_bf16", "avx2", "avx2_vnni") + (() if name.startswith("int8") else ("amx",))  # int8 on AMX: tiles
     if kernels.isa() not in runs:
         with pytest.raises(gen.CheckpointError, match="8-bit activations"):
             load_model(ckpt, dtype=torch.bfloat16, quantization=name)
