@@ -2259,58 +2259,67 @@ void quantize_groups8_256(const E* x, int64_t M, int64_t K, int32_t* xw, float* 
 
 // int4 groups of 32 (_int4_tiles): a line's low nibbles are group g's 4 columns of 16 weight rows, its high ones
 // group g + 1's. Per row and group, 8 lines of vpmaddubsw (nibble x signed byte: a pair at most 2 x 15 x 127) summed
-// in 16 bits (8 pairs at most 30480: no saturation, exact), then vpmaddwd by ones: S. A group at a time (the line
-// read again for the odd group, from L1): up to 5 rows both halves of a line at once (weight rows 0-7 and 8-15, one
-// broadcast of x for both), more rows one half at a time (8 rows a pass, one sum a row). Both groups at once,
-// two sums a row and half, spilled at 5 rows (1.86x one row's time there)
+// in 16 bits (8 pairs at most 30480: no saturation, exact), then vpmaddwd by ones: S. Up to 2 rows both groups and
+// both halves of a line (weight rows 0-7 and 8-15) in one pass; up to 5 a group at a time (the line read again for
+// the odd group, from L1), both halves with one broadcast of x; more one half at a time (8 rows a pass, one sum a
+// row). Both groups and halves at 5 rows spilled sums (1.86x one row's time there)
 struct KernelI4a8x256 {
   static constexpr int MOST = 8;
   template <int MB>
   static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* gs, const float* gsum) {
-    constexpr int H = MB <= 5 ? 2 : 1;  // halves a pass
+    constexpr int P = MB <= 2 ? 2 : 1, H = MB <= 5 ? 2 : 1;  // groups and halves a pass
     const int64_t M = a.M;
     const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
     const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
     const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     alignas(32) float c[MB][16] = {};
-    for (int64_t g = 0; g < a.groups; g++) {
+    for (int64_t g = 0; g < a.groups; g += P) {
       const char* p = w + (g >> 1) * 512;
-      const int shift = 4 * (int)(g & 1);  // the low nibbles are the even group's
-      const int32_t* x = xw + 8 * g * M + m0;  // group g's words: line r's x[r M + i]
+      const int32_t* x = xw + 8 * g * M + m0;  // group g's words: line r's x[r M + i]; group g + 1's 8 M on
       for (int h0 = 0; h0 < 2; h0 += H) {
-        __m256i s[H][MB];
+        __m256i s[P][H][MB];
 #pragma GCC unroll 2
-        for (int h = 0; h < H; h++)
+        for (int q = 0; q < P; q++)
+#pragma GCC unroll 2
+          for (int h = 0; h < H; h++)
 #pragma GCC unroll 8
-          for (int i = 0; i < MB; i++) s[h][i] = _mm256_setzero_si256();
+            for (int i = 0; i < MB; i++) s[q][h][i] = _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int r = 0; r < 8; r++) {
           if (h0 == 0 && !(g & 1)) _mm_prefetch(p + 64 * r + PREFETCH_AHEAD, _MM_HINT_T1);
-          __m256i wq[H];
+          __m256i wq[P][H];
 #pragma GCC unroll 2
-          for (int h = 0; h < H; h++)
-            wq[h] = _mm256_and_si256(_mm256_srli_epi16(_mm256_load_si256((const __m256i*)(p + 64 * r + 32 * (h0 + h))),
-                                                       shift), nibble);
-#pragma GCC unroll 8
-          for (int i = 0; i < MB; i++) {
-            const __m256i xb = _mm256_set1_epi32(x[r * M + i]);
+          for (int h = 0; h < H; h++) {
+            const __m256i v = _mm256_load_si256((const __m256i*)(p + 64 * r + 32 * (h0 + h)));
 #pragma GCC unroll 2
-            for (int h = 0; h < H; h++) s[h][i] = _mm256_add_epi16(s[h][i], _mm256_maddubs_epi16(wq[h], xb));
+            for (int q = 0; q < P; q++)  // the low nibbles are the even group's
+              wq[q][h] = _mm256_and_si256(P == 2 ? (q ? _mm256_srli_epi16(v, 4) : v)
+                                                 : _mm256_srli_epi16(v, 4 * (int)(g & 1)), nibble);
           }
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; i++)
+#pragma GCC unroll 2
+            for (int q = 0; q < P; q++) {
+              const __m256i xb = _mm256_set1_epi32(x[(8 * q + r) * M + i]);
+#pragma GCC unroll 2
+              for (int h = 0; h < H; h++) s[q][h][i] = _mm256_add_epi16(s[q][h][i], _mm256_maddubs_epi16(wq[q][h], xb));
+            }
         }
 #pragma GCC unroll 2
-        for (int h = 0; h < H; h++) {  // KernelI4a8's steps on each of these 8 outputs
-          const int o = 8 * (h0 + h);
-          const __m256 sc = _mm256_loadu_ps(bsc + 16 * g + o), of = _mm256_loadu_ps(bof + 16 * g + o);
+        for (int q = 0; q < P; q++)  // KernelI4a8's steps on each of these 8 outputs, group g then g + 1
+#pragma GCC unroll 2
+          for (int h = 0; h < H; h++) {
+            const int o = 8 * (h0 + h);
+            const __m256 sc = _mm256_loadu_ps(bsc + 16 * (g + q) + o), of = _mm256_loadu_ps(bof + 16 * (g + q) + o);
 #pragma GCC unroll 8
-          for (int i = 0; i < MB; i++) {
-            const int64_t at = g * M + m0 + i;
-            const __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[h][i], ones)),
-                                               _mm256_mul_ps(sc, _mm256_set1_ps(gs[at])), _mm256_load_ps(c[i] + o));
-            _mm256_store_ps(c[i] + o, _mm256_fmadd_ps(of, _mm256_set1_ps(gsum[at]), acc));
+            for (int i = 0; i < MB; i++) {
+              const int64_t at = (g + q) * M + m0 + i;
+              const __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[q][h][i], ones)),
+                                                 _mm256_mul_ps(sc, _mm256_set1_ps(gs[at])), _mm256_load_ps(c[i] + o));
+              _mm256_store_ps(c[i] + o, _mm256_fmadd_ps(of, _mm256_set1_ps(gsum[at]), acc));
+            }
           }
-        }
       }
     }
     for (int i = 0; i < MB; i++)
