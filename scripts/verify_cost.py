@@ -2,10 +2,13 @@
 
     python scripts/verify_cost.py --dtype bfloat16 --sizes 1 8 16 32 64
     python scripts/verify_cost.py --dtype bfloat16 --quant int8 --sizes 1 5 --profile   # and where each T's time goes
+    python scripts/verify_cost.py --quant int8.head8 int4.g32.a8.head8 --sizes 1 5 9   # variants in turn, one process
 
 This is what sizes the draft tree for a machine: tokens a verification can check for about the price of one
 decode step are nearly free. Each T runs with the static KV cache at a realistic prefix length, a tree mask, and
-(by default) the forward compiled for that shape; the sizes are timed interleaved, several rounds, medians.
+(by default) the forward compiled for that shape; the sizes are timed interleaved, several rounds, medians. With
+several --quant variants each is loaded and compiled in this one process and they are timed in turn, round by
+round: on a noisy host the one fair comparison of their absolute times.
 """
 import argparse
 import statistics
@@ -27,7 +30,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    p.add_argument("--quant", default=None, help="a quantized variant (int8, int4.g32, ...)")
+    p.add_argument("--quant", nargs="+", default=[None], help="a quantized variant (int8, int4.g32, ...), or several")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     p.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--rounds", type=int, default=30,
@@ -44,46 +47,54 @@ def main():
     args = p.parse_args()
     if args.small_t is not None:
         model_module.SMALL_T = args.small_t
-    model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     S = args.prefix + max(args.sizes) + 8
-    model.setup_caches(1, S)
-    with torch.no_grad():
-        model(torch.randint(0, 1000, (1, args.prefix)), torch.arange(args.prefix))
-
-    def verify(tokens, slots, mask, rope_pos):
-        return model(tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True)
-
     if not args.no_compile:
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # the settings generate.py compiles with
-    step = verify if args.no_compile else gen.compile_step(verify)
-    inputs = {}
-    for T in args.sizes:  # a random tree of T nodes (each node's parent comes before it)
-        parents = torch.tensor([0] + [int(torch.randint(0, i, (1,))) for i in range(1, T)])
-        anc, depth = tree_ancestors(parents, T)
-        L = torch.tensor([args.prefix])
-        inputs[T] = (torch.randint(0, 1000, (1, T)), L + torch.arange(T), tree_attention_mask(L, S, anc), L + depth)
+        # one graph a size and variant for the one verify function: more than Dynamo's default of 8 with variants
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(args.sizes) * len(args.quant))
+    runs = {}  # variant -> (step, inputs, model)
+    for quant in args.quant:
+        model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], quant)
+        model.setup_caches(1, S)
         with torch.no_grad():
-            for _ in range(2):  # compile and warm up
-                step(*inputs[T])
-    times = {T: [] for T in args.sizes}
+            model(torch.randint(0, 1000, (1, args.prefix)), torch.arange(args.prefix))
+
+        def verify(tokens, slots, mask, rope_pos, model=model):
+            return model(tokens, slots, mask=mask, rope_pos=rope_pos, return_features=True)
+
+        step = verify if args.no_compile else gen.compile_step(verify)
+        torch.manual_seed(0)  # every variant the same trees and tokens
+        inputs = {}
+        for T in args.sizes:  # a random tree of T nodes (each node's parent comes before it)
+            parents = torch.tensor([0] + [int(torch.randint(0, i, (1,))) for i in range(1, T)])
+            anc, depth = tree_ancestors(parents, T)
+            L = torch.tensor([args.prefix])
+            inputs[T] = (torch.randint(0, 1000, (1, T)), L + torch.arange(T), tree_attention_mask(L, S, anc), L + depth)
+            with torch.no_grad():
+                for _ in range(2):  # compile and warm up
+                    step(*inputs[T])
+        runs[quant] = (step, inputs, model)
+    times = {(quant, T): [] for quant in args.quant for T in args.sizes}
     with torch.no_grad():
         for _ in range(args.rounds):
-            for T in args.sizes:
-                step(*inputs[T])  # guarded: the right graph for this size
-                with gen.guards_checked_once(1):
-                    t0 = time.perf_counter()
-                    for _ in range(3):
-                        step(*inputs[T])
-                    times[T].append((time.perf_counter() - t0) / 3)
-    base = statistics.median(times[args.sizes[0]])
-    print(f"{args.dtype}{', ' + args.quant if args.quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (C++ launcher)' if args.cpp_wrapper else '')}, prefix {args.prefix}, "
-          f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
-    for T in args.sizes:
-        m = statistics.median(times[T])
-        print(f"| {T} | {m * 1e3:.1f} | {m / base:.2f} |")
-    if args.profile:
-        profile_sizes(step, inputs)
+            for quant, (step, inputs, _) in runs.items():
+                for T in args.sizes:
+                    step(*inputs[T])  # guarded: the right graph for this size
+                    with gen.guards_checked_once(1):
+                        t0 = time.perf_counter()
+                        for _ in range(3):
+                            step(*inputs[T])
+                        times[quant, T].append((time.perf_counter() - t0) / 3)
+    for quant, (step, inputs, _) in runs.items():
+        base = statistics.median(times[quant, args.sizes[0]])
+        print(f"{args.dtype}{', ' + quant if quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (C++ launcher)' if args.cpp_wrapper else '')}, prefix {args.prefix}, "
+              f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+        print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
+        for T in args.sizes:
+            m = statistics.median(times[quant, T])
+            print(f"| {T} | {m * 1e3:.1f} | {m / base:.2f} |")
+        if args.profile:
+            profile_sizes(step, inputs)
 
 
 def profile_sizes(step, inputs, calls=10):
