@@ -28,7 +28,9 @@ two signed bytes a value), by vpdpbusd on weights that pack lays out 16 rows to 
 the same integers go through the int8 tiles, a high and a low byte, against int8 and int4 weights that pack lays out
 as the tiles' B operand: int8 outputs are the exact integer dot products rounded to fp32 once, int4 ones exact
 integer sums a group, then scale and offset (on AVX-512-BF16 without AMX int4 the same way, its tile bytes read by
-vpdpbusd: the AMX build's bits). EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
+vpdpbusd: the AMX build's bits). With 8-bit activations (act_bits 8, the .a8 variants) int8 and int4 weights take the
+AVX-512-BF16 build's 16-row layouts wherever they run, the AVX2 builds included (vpmaddubsw there), to the same
+bits. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
 Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
