@@ -614,8 +614,9 @@ def build_parser():
     p.add_argument("--quant", default="auto",
                    help="a quantized variant written by quantize.py: int8, int4.g32 (g64, g128, g256), int4i, with .head8 "
                         "when the LM head is int8 too, and int8.a8 / int4.g32.a8 (.head8) for x rounded to 8 bits in "
-                        "groups of 32 (AVX2 and AVX-512 VNNI CPUs); none: the float weights; auto (with --dtype auto): int8.head8 "
-                        "on CPUs whose kernels.py build is AVX2, AVX-512-BF16 or AMX, written beside the checkpoint on "
+                        "groups of 32 (AVX2 and AVX-512 VNNI CPUs); none: the float weights; auto (with --dtype "
+                        "auto): int8.head8 on CPUs whose kernels.py build is AVX2, AVX-512-BF16 or AMX, written beside "
+                        "the checkpoint on "
                         "first use, the float weights elsewhere")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

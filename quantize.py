@@ -312,8 +312,8 @@ class Int4Linear(nn.Module):
         except Exception as e:  # a missing op (AttributeError), shapes or dtypes it rejects (RuntimeError), ...
             why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         if self.act_bits == 8 and (why is not None or not kernels.a8_takes(self.weight, self.scales)):
-            raise QuantizeError(f"8-bit activations (.a8) run int4 groups of 32 on the C++ kernels of an AVX2 or AVX-512 "
-                                f"VNNI CPU (this one: {kernels.isa()}; {why or f'groups of {self.groupsize}'})")
+            raise QuantizeError(f"8-bit activations (.a8) run int4 groups of 32 on the C++ kernels of an AVX2 or "
+                                f"AVX-512 VNNI CPU (this one: {kernels.isa()}; {why or f'groups of {self.groupsize}'})")
         if why is not None:
             self.layout, self.weight = "dequant", saved
             self.scales, self.zeros = scales.to(dtype), zeros.to(dtype)
@@ -463,15 +463,16 @@ def prepare(model, dtype, use_kernel=True, pack=True):
         if isinstance(m, Int8Linear):
             if pack and use_kernel and m.weight.dim() == 2 and kernels.can_pack(m.weight):
                 packed[id(m.weight)] = m  # the kernel takes fp32 scales
-                m.weight, m.scales = kernels.pack(m.weight, m.act_bits), cast.setdefault(id(m.scales), m.scales.float().contiguous())
+                m.weight = kernels.pack(m.weight, m.act_bits)
+                m.scales = cast.setdefault(id(m.scales), m.scales.float().contiguous())
             else:  # a tied head shares its scales with the embedding: cast each tensor once, keep them shared
                 m.scales = cast.setdefault(id(m.scales), m.scales.to(dtype))
             if m.bias is not None:
                 m.bias = m.bias.to(dtype)
             if m.act_bits == 8 and not (m.weight.dim() == 4 and kernels.a8_takes(m.weight, m.scales)):
                 raise QuantizeError(f"8-bit activations (.a8) run int8 weights packed in 16-row lines (out and in "
-                                    f"dims multiples of 16 and 64, q in -127..127) on an AVX2 CPU or an AVX-512 VNNI one "
-                                    f"without AMX (this one: {kernels.isa()})")
+                                    f"dims multiples of 16 and 64, q in -127..127) on an AVX2 CPU or an AVX-512 VNNI "
+                                    f"one without AMX (this one: {kernels.isa()})")
         elif isinstance(m, Int4Linear) and m.layout == "file":
             if (why := m.prepare(dtype, use_kernel, pack)) is not None:
                 fallbacks[name] = why

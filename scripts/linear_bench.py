@@ -44,7 +44,8 @@ def main():
     args = p.parse_args()
     if not kernels.load():
         sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
-    if args.act_bits == 8 and (args.weights == "bfloat16" or not kernels.a8_takes(*weight(args.weights, 64, 576, 8)[:2])):
+    if args.act_bits == 8 and (args.weights == "bfloat16"
+                               or not kernels.a8_takes(*weight(args.weights, 64, 576, 8)[:2])):
         sys.exit(f"error: --act_bits 8 takes int8 or int4 weights where kernels.py runs them so (this build: "
                  f"{kernels.isa()}; see kernels.a8_takes)")
     torch.set_num_threads(args.threads)

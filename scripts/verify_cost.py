@@ -51,7 +51,8 @@ def main():
     if not args.no_compile:
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # the settings generate.py compiles with
         # one graph a size and variant for the one verify function: more than Dynamo's default of 8 with variants
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(args.sizes) * len(args.quant))
+        limit = 2 * len(args.sizes) * len(args.quant)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     runs = {}  # variant -> (step, inputs, model)
     for quant in args.quant:
         model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], quant)
@@ -87,7 +88,8 @@ def main():
                         times[quant, T].append((time.perf_counter() - t0) / 3)
     for quant, (step, inputs, _) in runs.items():
         base = statistics.median(times[quant, args.sizes[0]])
-        print(f"{args.dtype}{', ' + quant if quant else ''}, {'eager' if args.no_compile else 'compiled' + (' (C++ launcher)' if args.cpp_wrapper else '')}, prefix {args.prefix}, "
+        how = "eager" if args.no_compile else "compiled" + (" (C++ launcher)" if args.cpp_wrapper else "")
+        print(f"{args.dtype}{', ' + quant if quant else ''}, {how}, prefix {args.prefix}, "
               f"kernels {kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
         print("| T | ms | relative to T=%d |\n|---|---|---|" % args.sizes[0])
         for T in args.sizes:

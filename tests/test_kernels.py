@@ -628,8 +628,8 @@ p4, p8 = kernels.pack(nibbles, act_bits=8), kernels.pack(q, act_bits=8)
 y = []
 for m in (1, 2, 5, 6, 9, 17):
     for xm in (x[:m], x[:m].bfloat16()):
-        y += [kernels.linear(xm, p4, None, kernels.tile_groups(scales, p4), kernels.tile_groups(offsets, p4), act_bits=8),
-              kernels.linear(xm, p8, None, qs, None, act_bits=8)]
+        s4, o4 = kernels.tile_groups(scales, p4), kernels.tile_groups(offsets, p4)
+        y += [kernels.linear(xm, p4, None, s4, o4, act_bits=8), kernels.linear(xm, p8, None, qs, None, act_bits=8)]
 torch.save({"isa": kernels.isa(), "y": y}, sys.argv[1])
 """
 
@@ -641,8 +641,9 @@ def test_avx2_8_bit_activations_equal_avx512s_bit_for_bit(tmp_path):
         pytest.skip("needs a CPU that runs both builds (AVX-512-BF16)")
     out = {}
     for isa in ("avx2", "avx512_bf16"):
-        r = subprocess.run([sys.executable, "-c", A8_OUTPUTS, str(tmp_path / isa)], env={**os.environ, "EAGLE_KERNELS": isa},
-                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+        r = subprocess.run([sys.executable, "-c", A8_OUTPUTS, str(tmp_path / isa)],
+                           env={**os.environ, "EAGLE_KERNELS": isa}, cwd=Path(__file__).parent.parent,
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         out[isa] = torch.load(tmp_path / isa, weights_only=True)
         assert out[isa]["isa"] == isa
