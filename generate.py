@@ -616,8 +616,7 @@ def build_parser():
                         "when the LM head is int8 too, and int8.a8 / int4.g32.a8 (.head8) for x rounded to 8 bits in "
                         "groups of 32 (AVX2 and AVX-512 VNNI CPUs); none: the float weights; auto (with --dtype "
                         "auto): int8.head8 on CPUs whose kernels.py build is AVX2, AVX-512-BF16 or AMX, written beside "
-                        "the checkpoint on "
-                        "first use, the float weights elsewhere")
+                        "the checkpoint on first use, the float weights elsewhere")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step and the EAGLE cycle (static shapes, fullgraph; CUDA graphs on CUDA). "

@@ -634,19 +634,25 @@ torch.save({"isa": kernels.isa(), "y": y}, sys.argv[1])
 """
 
 
-def test_avx2_8_bit_activations_equal_avx512s_bit_for_bit(tmp_path):
-    """The .a8 kernels of the AVX2 build (KernelI4a8x256, KernelI8a8x256) sum the same integers a group and take the
-    same fp32 steps as the AVX-512-BF16 build's: the same bits at every M, fp32 and bf16 x."""
-    if RANK[kernels.isa()] < RANK["avx512_bf16"]:
-        pytest.skip("needs a CPU that runs both builds (AVX-512-BF16)")
+def outputs_of_builds(script, isas, tmp_path) -> dict:
+    """{isa: the outputs `script` saved} from one process per forced build (EAGLE_KERNELS), each checked to run it."""
     out = {}
-    for isa in ("avx2", "avx512_bf16"):
-        r = subprocess.run([sys.executable, "-c", A8_OUTPUTS, str(tmp_path / isa)],
+    for isa in isas:
+        r = subprocess.run([sys.executable, "-c", script, str(tmp_path / isa)],
                            env={**os.environ, "EAGLE_KERNELS": isa}, cwd=Path(__file__).parent.parent,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         out[isa] = torch.load(tmp_path / isa, weights_only=True)
         assert out[isa]["isa"] == isa
+    return out
+
+
+def test_avx2_8_bit_activations_equal_avx512s_bit_for_bit(tmp_path):
+    """The .a8 kernels of the AVX2 build (KernelI4a8x256, KernelI8a8x256) sum the same integers a group and take the
+    same fp32 steps as the AVX-512-BF16 build's: the same bits at every M, fp32 and bf16 x."""
+    if RANK[kernels.isa()] < RANK["avx512_bf16"]:
+        pytest.skip("needs a CPU that runs both builds (AVX-512-BF16)")
+    out = outputs_of_builds(A8_OUTPUTS, ("avx2", "avx512_bf16"), tmp_path)
     assert len(out["avx2"]["y"]) == 24
     for a, b in zip(out["avx2"]["y"], out["avx512_bf16"]["y"]):
         assert torch.equal(a, b)
@@ -656,13 +662,7 @@ def test_avx_vnni_int8_outputs_equal_avx2s_bit_for_bit(tmp_path):
     """KernelI8 with AVX-VNNI (vpdpwssd) sums the same integers as vpmaddwd + vpaddd: the same bits at every M."""
     if RANK[kernels.isa()] < RANK["avx2_vnni"] or not cpu_has_avx_vnni():
         pytest.skip("this CPU has no AVX-VNNI")
-    out = {}
-    for isa in ("avx2", "avx2_vnni"):
-        r = subprocess.run([sys.executable, "-c", INT8_OUTPUTS, str(tmp_path / isa)], env={**os.environ, "EAGLE_KERNELS": isa},
-                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        out[isa] = torch.load(tmp_path / isa, weights_only=True)
-        assert out[isa]["isa"] == isa
+    out = outputs_of_builds(INT8_OUTPUTS, ("avx2", "avx2_vnni"), tmp_path)
     for a, b in zip(out["avx2"]["y"], out["avx2_vnni"]["y"]):
         assert torch.equal(a, b)
 
