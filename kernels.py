@@ -47,6 +47,7 @@ pure-PyTorch fallback runs: each row on its own through F.linear, so its rows to
         q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
         in q's dtype, laid out as (B, T, H, D); softmax in fp32
 """
+import mmap
 import os
 import sys
 import warnings
@@ -3588,8 +3589,8 @@ def pack(weight: Tensor, act_bits: int = 16) -> Tensor:
     (N, K/2) -> (N/4, K/64, 4, 32): 64 columns a block); bf16, int8 and int4 on AMX (block_rows 16) as the tiles' B
     operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles); on AVX-512-BF16 CPUs
     without AMX int8 as uint8 (N/16, K/64, 16, 64) (_vnni_lines) and int4 as on AMX. The same numbers, re-laid so
-    that the kernel reads each block sequentially, in memory Linux is asked to back with 2 MB pages (on_huge_pages).
-    act_bits 8 (a .a8 module's weights): on the AVX2 builds int8 and int4 in those AVX-512 layouts too (block_rows)."""
+    that the kernel reads each block sequentially (model.pack_weights then moves a model's packed weights onto 2 MB
+    pages: on_huge_pages). act_bits 8 (a .a8 module's weights): on the AVX2 builds int8 and int4 in those AVX-512 layouts too (block_rows)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight, act_bits)
     if weight.dtype == torch.uint8 and R == 16:
@@ -3600,32 +3601,58 @@ def pack(weight: Tensor, act_bits: int = 16) -> Tensor:
         blocks = _vnni_tiles(weight.detach())
     else:
         blocks = weight.detach().reshape(N // R, R, width // C, C).transpose(1, 2)
-    packed = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
-    on_huge_pages(packed)
-    return packed.copy_(blocks)
+    return blocks.contiguous()
 
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
+_arenas = []  # (first, last + 1) address of each mapping on_huge_pages made: what is on 2 MB pages already
 
 
-def on_huge_pages(t: Tensor) -> bool:
-    """Ask Linux to back an untouched CPU tensor's whole 2 MB pages with huge pages (madvise; where transparent huge
-    pages are "madvise", as on most distributions, only memory asked for gets them). Streaming weights then walks
-    one page table entry every 2 MB rather than every 4 KB: the linears of one int8 forward on a Zen 3, all its
-    weights in one 2 MB-page arena against ordinary pages, one process, interleaved: one row 7.4 -> 6.8 ms, five
-    rows 11.3 -> 9.1 (21 rounds; other runs 4-11% and 4-20%). A tensor needs 4 MB to hold a whole huge page: on the
-    default model that is its LM head (24 of 129 MB), on 1B+ models every matrix. True where the kernel took it."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or t.nbytes < 2 * HUGE_PAGE:
-        return False
-    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+def on_huge_pages(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of CPU tensors side by side in one private anonymous mapping, from a 2 MB boundary, that Linux is asked
+    to back with 2 MB pages (madvise MADV_HUGEPAGE before the first write; where transparent huge pages are
+    "madvise", as on most distributions, only memory asked for gets them). Streaming the weights of a forward then
+    walks one page table entry every 2 MB rather than every 4 KB. A model's packed weights as separate tensors
+    (only its LM head, the one of 4 MB+, on 2 MB pages) against all of them on 2 MB pages (the linears of one forward,
+    random weights, one process, alternated, a Zen 4; docs/performance.md): int4.g32.a8 at 1 / 5 / 9 / 17 rows
+    -5.6 / -10.5 / -8.8 / -5.1%, int8 at 1 / 4 rows -1.0 / -6.6%. Each copy has its own storage (torch.frombuffer:
+    the mapping lives as long as one of them does), 64-byte aligned. Tensors already on such pages, and all of them
+    where the mapping is refused or there is no MADV_HUGEPAGE (not Linux), come back as they are."""
+    move = [t.device.type == "cpu" and t.is_contiguous() and t.nbytes > 0 and t.dtype in ARENA_DTYPES
+            and not any(lo <= t.data_ptr() < hi for lo, hi in _arenas) for t in tensors]
+    sizes = [-(-t.nbytes // 64) * 64 if m else 0 for t, m in zip(tensors, move)]
+    if not any(move) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return list(tensors)
+    try:
+        arena = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return list(tensors)
+    base = torch.frombuffer(arena, dtype=torch.uint8, count=1).data_ptr()
+    at = -base % HUGE_PAGE
+    _arenas.append((base, base + len(arena)))
+    out = []
+    for t, m, n in zip(tensors, move, sizes):
+        if m:
+            u = torch.frombuffer(arena, dtype=torch.uint8, count=t.nbytes, offset=at)
+            t = u.view(t.dtype).view(t.shape).copy_(t)
+            at += n
+        out.append(t)
+    return out
+
+
+def trim_heap():
+    """Hand what the C heap holds free back to the system (glibc's malloc_trim; nothing where there is no glibc): the
+    ~100-140 MB of tensors a move onto 2 MB pages left behind on the default model, which glibc kept (RSS after
+    loading it as int8.head8: +406-544 MB, then +341-343 trimmed)."""
     try:
         import ctypes
-        libc = ctypes.CDLL(None)
-        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
-        return False
+        pass
+
+
+ARENA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int16, torch.int32)
 
 
 def block_rows(weight: Tensor, act_bits: int = 16) -> int:
@@ -3707,9 +3734,7 @@ def pack_int4i(nibbles: Tensor, steps: Tensor, bases: Tensor) -> Tensor:
     tiles = _int4_tiles(nibbles.detach()).reshape(N // 16, K // 64, 512)
     per_group = [t.detach().view(torch.uint8).reshape(N // 16, 16, K // 64, 2).permute(0, 2, 3, 1) for t in (steps, bases)]
     qz = torch.stack(per_group, dim=3).reshape(N // 16, K // 64, 64)  # (blk, kp, group, q or z, row)
-    packed = torch.empty(N // 16, K // 64, 16, 36, dtype=torch.uint8)
-    on_huge_pages(packed)
-    return packed.copy_(torch.cat([tiles, qz], dim=-1).view(N // 16, K // 64, 16, 36))
+    return torch.cat([tiles, qz], dim=-1).view(N // 16, K // 64, 16, 36)
 
 
 def tile_groups(t: Tensor, packed: Tensor) -> Tensor:

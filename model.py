@@ -132,6 +132,21 @@ def pack_weights(module: nn.Module) -> nn.Module:
             m.weight = packed[m.weight.data_ptr()]
         elif isinstance(m, FeedForward):
             m.fuse_gate_up()
+    # then every large tensor onto 2 MB pages, one mapping: the weights a forward streams (kernels.on_huge_pages)
+    places = [(d, name) for m in module.modules() for d in (m._parameters, m._buffers)
+              for name, t in d.items() if t is not None and t.device.type == "cpu" and t.nbytes >= 1 << 16]
+    tensors = list({id(d[name]): d[name] for d, name in places}.values())  # a shared tensor once
+    with torch.no_grad():
+        moved = {id(t): u for t, u in zip(tensors, kernels.on_huge_pages(tensors)) if u is not t}
+    for d, name in places:
+        t = d[name]
+        if id(t) in moved and isinstance(t, nn.Parameter):
+            t.data = moved[id(t)]  # the same Parameter (a tied one stays tied), its data moved
+        elif id(t) in moved:
+            d[name] = moved[id(t)]
+    if moved:
+        del tensors, places, t
+        kernels.trim_heap()  # the tensors left behind
     return module
 
 
@@ -346,9 +361,7 @@ class FeedForward(nn.Module):
             if (t is None) != (u is None) or (t is not None and (t.shape[1:] != u.shape[1:] or t.dtype != u.dtype)):
                 return
             if t is not None:
-                fused[name] = torch.empty((t.shape[0] + u.shape[0], *t.shape[1:]), dtype=t.dtype)
-                kernels.on_huge_pages(fused[name])
-                torch.cat([t, u], out=fused[name])
+                fused[name] = torch.cat([t, u])
         w13 = copy.copy(a)  # the same kind of layer, its own tensors
         w13._parameters, w13._buffers = dict(a._parameters), dict(a._buffers)
         for name, t in fused.items():

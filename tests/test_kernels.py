@@ -1,6 +1,8 @@
 """kernels.py: the C++ small-M linear and attention against their pure-PyTorch references, row independence (each
 output row the same whatever the number of rows), the input gradient through a frozen packed weight, and that an
 inference call runs no Python."""
+import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -410,13 +412,25 @@ def test_bf16_outputs_round_as_torch_does(M):
         assert torch.equal(y.view(torch.int16)[~ref.isnan()], ref.view(torch.int16)[~ref.isnan()]), (v, y, ref)
 
 
-def test_a_large_weight_packs_onto_huge_pages_unchanged():
-    """pack() asks for 2 MB pages for a weight of 4 MB+ (on_huge_pages): the same numbers, unpack() gives them back."""
-    w = torch.randint(-127, 128, (4096, 1152), dtype=torch.int8)
-    packed = kernels.pack(w)
-    assert torch.equal(kernels.unpack(packed), w)
-    assert isinstance(kernels.on_huge_pages(torch.empty(4 << 20, dtype=torch.uint8)), bool)
-    assert not kernels.on_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no whole 2 MB page to give
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="2 MB pages are asked for on Linux only")
+def test_on_huge_pages_copies_tensors_each_on_its_own_storage():
+    """on_huge_pages: copies with the same numbers side by side in one mapping from a 2 MB boundary, each with its own
+    storage (no tensor aliases another), 64-byte aligned, alive as long as one of them is; what it does not take
+    (not contiguous, another dtype) or has moved already comes back as it is."""
+    ts = [torch.randn(300, 7), torch.randint(-127, 128, (1000,), dtype=torch.int8), torch.randn(64, 64).bfloat16(),
+          torch.randn(8, 8).t(), torch.zeros(5, dtype=torch.complex64)]
+    out = kernels.on_huge_pages(ts)
+    assert out[3] is ts[3] and out[4] is ts[4]
+    for t, u in zip(ts[:3], out[:3]):
+        assert u is not t and u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
+        assert u.data_ptr() % 64 == 0 and u.untyped_storage().data_ptr() == u.data_ptr()
+        assert u.untyped_storage().nbytes() == u.nbytes  # its own storage, not a view of the mapping's
+    assert out[0].data_ptr() % kernels.HUGE_PAGE == 0
+    assert all(a is b for a, b in zip(kernels.on_huge_pages(out), out))
+    kept, expected = out[1], ts[1].clone()
+    del ts, out
+    gc.collect()
+    assert torch.equal(kept, expected)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 2), (3, 3)])
