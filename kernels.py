@@ -3590,7 +3590,8 @@ def pack(weight: Tensor, act_bits: int = 16) -> Tensor:
     operand, (N/16, K/32, 16, 32) and (N/16, K/64, 16, 32) (_vnni_tiles, _int4_tiles); on AVX-512-BF16 CPUs
     without AMX int8 as uint8 (N/16, K/64, 16, 64) (_vnni_lines) and int4 as on AMX. The same numbers, re-laid so
     that the kernel reads each block sequentially (model.pack_weights then moves a model's packed weights onto 2 MB
-    pages: on_huge_pages). act_bits 8 (a .a8 module's weights): on the AVX2 builds int8 and int4 in those AVX-512 layouts too (block_rows)."""
+    pages: on_huge_pages). act_bits 8 (a .a8 module's weights): on the AVX2 builds int8 and int4 in those AVX-512
+    layouts too (block_rows)."""
     N, width = weight.shape
     C, R = 32, block_rows(weight, act_bits)
     if weight.dtype == torch.uint8 and R == 16:

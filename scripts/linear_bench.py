@@ -7,8 +7,9 @@ w1 and w3 1536 x 576, w2 576 x 1536), random weights, times 30 layers.
 --fuse_gate_up: w1 and w3 as one 3072 x 576 weight, one call instead of two (what fusing them would save).
 Prints the median of 7 rounds of 100 layers, in ms for 30 layers: one layer's weights, so they stay in the caches
 (the kernels' arithmetic). --stream: 30 layers' own weights (w1 and w3 fused) and the 49152 x 576 LM head, as a
-forward reads them from memory; the median of 15 passes, in ms a forward. --act_bits 8: int8 and int4 weights with x
-rounded to 8 bits in groups of 32 (the .a8 variants; AVX2 and AVX-512 VNNI builds).
+forward reads them from memory (on 2 MB pages, as model.pack_weights leaves them); the median of 15 passes, in ms a
+forward. --act_bits 8: int8 and int4 weights with x rounded to 8 bits in groups of 32 (the .a8 variants; AVX2 and
+AVX-512 VNNI builds).
 """
 import argparse
 import sys
@@ -55,6 +56,9 @@ def main():
     if args.stream:
         shapes = shapes * 30 + [(49152, 576)]
     layer = [(weight(args.weights, N, K, args.act_bits), K) for N, K in shapes]
+    if args.stream:  # on 2 MB pages, as model.pack_weights leaves a model's weights
+        flat = kernels.on_huge_pages([t for w, _ in layer for t in w if t is not None])[::-1]
+        layer = [(tuple(None if t is None else flat.pop() for t in w), K) for w, K in layer]
     out = []
     for M in args.rows:
         xs = [torch.randn(M, K).bfloat16() for _, K in layer]
