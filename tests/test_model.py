@@ -98,9 +98,10 @@ def test_tied_head_shares_the_embedding():
 
 
 def test_pack_weights_moves_large_tensors_onto_huge_pages_with_the_same_outputs(monkeypatch):
-    """pack_weights ends by moving every tensor of 64 KB+ onto 2 MB pages (kernels.on_huge_pages): the same Parameter
-    objects (a tied LM head still the embedding), the same logits as packed weights left where they were."""
+    """pack_weights ends by moving every tensor of 64 KB+ onto 2 MB pages (kernels.on_huge_pages; Linux): the same
+    Parameter objects (a tied LM head still the embedding), the same logits as packed weights left where they were."""
     import copy
+    import mmap
     import kernels
     from model import pack_weights
     model = make_tiny_model(vocab_size=2048, tie_embeddings=True).to(torch.bfloat16)  # a 256 KB embedding
@@ -108,14 +109,11 @@ def test_pack_weights_moves_large_tensors_onto_huge_pages_with_the_same_outputs(
     with monkeypatch.context() as m:
         m.setattr(kernels, "on_huge_pages", list)
         pack_weights(kept)
-    embedding = model.tok_embeddings.weight
     pack_weights(model)
     assert model.output.weight is model.tok_embeddings.weight
-    if kernels.load():  # the packed head is the embedding's table
-        assert model.tok_embeddings.weight is not embedding
-    moved = [t for t in list(model.parameters()) + list(model.buffers()) if t.nbytes >= 1 << 16]
-    assert moved and all(any(lo <= t.data_ptr() < hi for lo, hi in kernels._arenas) for t in moved) == hasattr(
-        __import__("mmap"), "MADV_HUGEPAGE")
+    large = [t for t in list(model.parameters()) + list(model.buffers()) if t.nbytes >= 1 << 16]
+    on_pages = [any(lo <= t.data_ptr() < hi for lo, hi in kernels._arenas) for t in large]
+    assert large and all(on_pages) == hasattr(mmap, "MADV_HUGEPAGE")
     idx = torch.randint(0, 2048, (1, 9))
     with torch.no_grad():
         model.setup_caches(1, 16), kept.setup_caches(1, 16)
