@@ -132,22 +132,27 @@ def pack_weights(module: nn.Module) -> nn.Module:
             m.weight = packed[m.weight.data_ptr()]
         elif isinstance(m, FeedForward):
             m.fuse_gate_up()
-    # then every large tensor onto 2 MB pages, one mapping: the weights a forward streams (kernels.on_huge_pages)
+    if move_large_tensors(module, kernels.on_huge_pages):  # onto 2 MB pages, one mapping: what a forward streams
+        kernels.trim_heap()  # the tensors left behind
+    return module
+
+
+def move_large_tensors(module: nn.Module, move, min_bytes: int = 1 << 16) -> int:
+    """Put move(tensors) (a list in, a list out) in place of a module's CPU parameters and buffers of min_bytes+, each
+    shared one once; one that comes back as it is stays. A Parameter keeps its object (a tied one stays tied), its
+    data replaced. Returns how many moved."""
     places = [(d, name) for m in module.modules() for d in (m._parameters, m._buffers)
-              for name, t in d.items() if t is not None and t.device.type == "cpu" and t.nbytes >= 1 << 16]
-    tensors = list({id(d[name]): d[name] for d, name in places}.values())  # a shared tensor once
+              for name, t in d.items() if t is not None and t.device.type == "cpu" and t.nbytes >= min_bytes]
+    tensors = list({id(d[name]): d[name] for d, name in places}.values())
     with torch.no_grad():
-        moved = {id(t): u for t, u in zip(tensors, kernels.on_huge_pages(tensors)) if u is not t}
+        moved = {id(t): u for t, u in zip(tensors, move(tensors)) if u is not t}
     for d, name in places:
         t = d[name]
         if id(t) in moved and isinstance(t, nn.Parameter):
-            t.data = moved[id(t)]  # the same Parameter (a tied one stays tied), its data moved
+            t.data = moved[id(t)]
         elif id(t) in moved:
             d[name] = moved[id(t)]
-    if moved:
-        del tensors, places, t
-        kernels.trim_heap()  # the tensors left behind
-    return module
+    return len(moved)
 
 
 class KVCache(nn.Module):

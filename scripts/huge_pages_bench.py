@@ -24,27 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import tree_ancestors, tree_attention_mask  # noqa: E402
 import generate as gen  # noqa: E402
 import kernels  # noqa: E402
+from model import move_large_tensors  # noqa: E402
 
 
-def on_ordinary_pages(model):
-    """Copy model's tensors of 64 KB+ to ordinary memory; one of 4 MB+ madvised as pack() did before this change."""
-    libc = ctypes.CDLL(None)
-    with torch.no_grad():
-        for m in model.modules():
-            for d in (m._parameters, m._buffers):
-                for name, t in d.items():
-                    if t is None or t.nbytes < 1 << 16:
-                        continue
-                    c = torch.empty_like(t.data)
-                    start = -(-c.data_ptr() // kernels.HUGE_PAGE) * kernels.HUGE_PAGE
-                    end = (c.data_ptr() + c.nbytes) // kernels.HUGE_PAGE * kernels.HUGE_PAGE
-                    if end > start:
-                        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)
-                    c.copy_(t.data)
-                    if isinstance(t, torch.nn.Parameter):
-                        t.data = c
-                    else:
-                        d[name] = c
+def on_ordinary_pages(tensors):
+    """Copies in ordinary memory; one of 4 MB+ madvised as pack() did before this change (its whole 2 MB pages)."""
+    libc, copies = ctypes.CDLL(None), []
+    for t in tensors:
+        c = torch.empty_like(t.data)
+        start = -(-c.data_ptr() // kernels.HUGE_PAGE) * kernels.HUGE_PAGE
+        end = (c.data_ptr() + c.nbytes) // kernels.HUGE_PAGE * kernels.HUGE_PAGE
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)
+        copies.append(c.copy_(t.data))
+    return copies
 
 
 def main():
@@ -67,7 +60,7 @@ def main():
     for name in ("2 MB pages", "4 KB pages"):
         model = gen.load_model_or_die(None, "cpu", gen.DTYPES[args.dtype], quant)
         if name == "4 KB pages":
-            on_ordinary_pages(model)
+            move_large_tensors(model, on_ordinary_pages)
         model.setup_caches(1, S)
         with torch.no_grad():
             model(prefix, torch.arange(args.prefix))

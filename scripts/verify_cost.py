@@ -53,7 +53,7 @@ def main():
         # one graph a size and variant for the one verify function: more than Dynamo's default of 8 with variants
         limit = 2 * len(args.sizes) * len(args.quant)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    runs = {}  # variant -> (step, inputs, model)
+    runs = {}  # variant -> (step, inputs)
     for quant in args.quant:
         model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], quant)
         model.setup_caches(1, S)
@@ -74,11 +74,11 @@ def main():
             with torch.no_grad():
                 for _ in range(2):  # compile and warm up
                     step(*inputs[T])
-        runs[quant] = (step, inputs, model)
+        runs[quant] = (step, inputs)
     times = {(quant, T): [] for quant in args.quant for T in args.sizes}
     with torch.no_grad():
         for _ in range(args.rounds):
-            for quant, (step, inputs, _) in runs.items():
+            for quant, (step, inputs) in runs.items():
                 for T in args.sizes:
                     step(*inputs[T])  # guarded: the right graph for this size
                     with gen.guards_checked_once(1):
@@ -86,7 +86,7 @@ def main():
                         for _ in range(3):
                             step(*inputs[T])
                         times[quant, T].append((time.perf_counter() - t0) / 3)
-    for quant, (step, inputs, _) in runs.items():
+    for quant, (step, inputs) in runs.items():
         base = statistics.median(times[quant, args.sizes[0]])
         how = "eager" if args.no_compile else "compiled" + (" (C++ launcher)" if args.cpp_wrapper else "")
         print(f"{args.dtype}{', ' + quant if quant else ''}, {how}, prefix {args.prefix}, "
