@@ -22,6 +22,9 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 5, 9, 17])
     args = p.parse_args()
+    if args.threads < 1 or not all(1 <= T <= 732 for T in args.sizes):
+        sys.exit("error: --threads must be at least 1 and --sizes in 1..732 (the cache holds 1032 slots, 300 "
+                 "of them a prefix)")
     if not kernels.load():
         sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
     torch.set_num_threads(args.threads)

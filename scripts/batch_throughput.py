@@ -33,12 +33,17 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no_compile", action="store_true")
     args = p.parse_args()
+    if min(args.batch_sizes) < 1 or args.new_tokens < 1 or args.rounds < 1:
+        gen.die("--batch_sizes, --new_tokens and --rounds must be at least 1")
     checkpoint = args.checkpoint or default_checkpoint()
     dtype = gen.fastest_dtype("cpu") if args.dtype == "auto" else args.dtype
     model = gen.load_model_or_die(checkpoint, "cpu", DTYPES[dtype], args.quant)
     prompts = [ids for _, ids in load_prompts(gen.ROOT / "data" / "mt_bench.jsonl", get_tokenizer(checkpoint),
                                               model.checkpoint_config, 0)]
     cache = -(-(max(len(ids) for ids in prompts) + args.new_tokens) // 64) * 64
+    if cache > model.config.block_size:
+        gen.die(f"the longest prompt and --new_tokens {args.new_tokens} do not fit the model's "
+                f"{model.config.block_size}-token context")
     if not args.no_compile:
         gen.compile_steps()
     batches = {B: [prompts[i % len(prompts)] for i in range(B)] for B in args.batch_sizes}

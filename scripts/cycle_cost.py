@@ -58,6 +58,8 @@ def main():
                    help="then profile 30 cycles and 30 plain steps and print the N operators and Inductor kernels "
                         "with the most time a call (compiled with Inductor's kernel profiling: a cold compile)")
     args = p.parse_args()
+    if args.rounds < 1 or args.profile < 0:
+        gen.die("--rounds must be at least 1 and --profile 0 or more")
     gen.fill_tree_defaults(args, args.quant or args.dtype, "cpu")
     if (msg := gen.check_tree(args)) is not None:
         gen.die(msg)

@@ -43,6 +43,8 @@ def main():
     p.add_argument("--stream", action="store_true", help="30 layers' own weights and the LM head (from memory)")
     p.add_argument("--act_bits", type=int, default=16, choices=[16, 8])
     args = p.parse_args()
+    if args.threads < 1 or min(args.rows) < 1:
+        sys.exit("error: --threads and --rows must be at least 1")
     if not kernels.load():
         sys.exit(f"error: kernels.py did not build here ({kernels._state.get('why')})")
     if args.act_bits == 8 and (args.weights == "bfloat16"

@@ -45,7 +45,12 @@ def main():
                    help="compiled graphs launch their kernels from C++ (as generate.py does on a CPU)")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
+    if min(args.prefix, args.steps, args.top) < 1:
+        gen.die("--prefix, --steps and --top must be at least 1")
     model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
+    if args.prefix + args.steps + 8 > model.config.block_size:
+        gen.die(f"--prefix {args.prefix} and --steps {args.steps} do not fit the model's "
+                f"{model.config.block_size}-token context")
     model.setup_caches(1, args.prefix + args.steps + 8)
     if not args.no_compile:
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # as generate.py compiles it

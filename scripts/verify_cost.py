@@ -45,6 +45,10 @@ def main():
     p.add_argument("--small_t", type=int, default=None,
                    help="use the matmul attention up to this many query tokens (model.SMALL_T; 0 = SDPA always)")
     args = p.parse_args()
+    if min(args.sizes) < 1 or args.rounds < 1 or args.prefix < 1:
+        gen.die("--sizes, --rounds and --prefix must be at least 1")
+    if args.small_t is not None and args.small_t < 0:
+        gen.die("--small_t must be 0 or more")
     if args.small_t is not None:
         model_module.SMALL_T = args.small_t
     S = args.prefix + max(args.sizes) + 8
@@ -56,6 +60,9 @@ def main():
     runs = {}  # variant -> (step, inputs)
     for quant in args.quant:
         model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], quant)
+        if S > model.config.block_size:
+            gen.die(f"--prefix {args.prefix} and {max(args.sizes)} tokens do not fit the model's "
+                    f"{model.config.block_size}-token context")
         model.setup_caches(1, S)
         with torch.no_grad():
             model(torch.randint(0, 1000, (1, args.prefix)), torch.arange(args.prefix))
