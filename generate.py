@@ -875,6 +875,13 @@ def die(msg):
     sys.exit(2)
 
 
+def setup_caches_or_die(model, batch_size, length, what):
+    """model.setup_caches, or one error line where `what` (the tokens asked for) outgrows the model's context."""
+    if length > model.config.block_size:
+        die(f"{what} do not fit the model's {model.config.block_size}-token context")
+    model.setup_caches(batch_size, length)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if (msg := check_args(args)) is not None:

@@ -3606,6 +3606,7 @@ def pack(weight: Tensor, act_bits: int = 16) -> Tensor:
 
 
 HUGE_PAGE = 2 << 20
+ARENA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int16, torch.int32)
 _arenas = []  # (first, last + 1) address of each mapping on_huge_pages made: what is on 2 MB pages already
 
 
@@ -3652,8 +3653,6 @@ def trim_heap():
     except (OSError, AttributeError):
         pass
 
-
-ARENA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int16, torch.int32)
 
 
 def block_rows(weight: Tensor, act_bits: int = 16) -> int:

@@ -41,16 +41,13 @@ def main():
     prompts = [ids for _, ids in load_prompts(gen.ROOT / "data" / "mt_bench.jsonl", get_tokenizer(checkpoint),
                                               model.checkpoint_config, 0)]
     cache = -(-(max(len(ids) for ids in prompts) + args.new_tokens) // 64) * 64
-    if cache > model.config.block_size:
-        gen.die(f"the longest prompt and --new_tokens {args.new_tokens} do not fit the model's "
-                f"{model.config.block_size}-token context")
     if not args.no_compile:
         gen.compile_steps()
     batches = {B: [prompts[i % len(prompts)] for i in range(B)] for B in args.batch_sizes}
     best, prefill = {}, {}
     for r in range(args.rounds + 1):  # round 0 compiles and warms up
         for B, batch in batches.items():
-            model.setup_caches(B, cache)
+            gen.setup_caches_or_die(model, B, cache, f"the longest prompt and --new_tokens {args.new_tokens}")
             t0 = time.perf_counter()
             gen.generate_batch(model, batch, 1, temperature=0)  # the prefill and its first token
             t1 = time.perf_counter()

@@ -59,12 +59,9 @@ def main():
     steps = {}
     for name in ("2 MB pages", "4 KB pages"):
         model = gen.load_model_or_die(None, "cpu", gen.DTYPES[args.dtype], quant)
-        if S > model.config.block_size:
-            gen.die(f"--prefix {args.prefix} and {max(args.sizes)} tokens do not fit the model's "
-                    f"{model.config.block_size}-token context")
+        gen.setup_caches_or_die(model, 1, S, f"--prefix {args.prefix} and {max(args.sizes)} tokens")
         if name == "4 KB pages":
             move_large_tensors(model, on_ordinary_pages)
-        model.setup_caches(1, S)
         with torch.no_grad():
             model(prefix, torch.arange(args.prefix))
         steps[name] = gen.compile_step(lambda tokens, slots, mask, rope_pos, model=model: model(

@@ -48,10 +48,7 @@ def main():
     if min(args.prefix, args.steps, args.top) < 1:
         gen.die("--prefix, --steps and --top must be at least 1")
     model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
-    if args.prefix + args.steps + 8 > model.config.block_size:
-        gen.die(f"--prefix {args.prefix} and --steps {args.steps} do not fit the model's "
-                f"{model.config.block_size}-token context")
-    model.setup_caches(1, args.prefix + args.steps + 8)
+    gen.setup_caches_or_die(model, 1, args.prefix + args.steps + 8, f"--prefix {args.prefix} and --steps {args.steps}")
     if not args.no_compile:
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # as generate.py compiles it
     step = gen.decode_one_token

@@ -60,10 +60,7 @@ def main():
     runs = {}  # variant -> (step, inputs)
     for quant in args.quant:
         model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], quant)
-        if S > model.config.block_size:
-            gen.die(f"--prefix {args.prefix} and {max(args.sizes)} tokens do not fit the model's "
-                    f"{model.config.block_size}-token context")
-        model.setup_caches(1, S)
+        gen.setup_caches_or_die(model, 1, S, f"--prefix {args.prefix} and {max(args.sizes)} tokens")
         with torch.no_grad():
             model(torch.randint(0, 1000, (1, args.prefix)), torch.arange(args.prefix))
 
