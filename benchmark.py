@@ -341,6 +341,9 @@ def main(argv=None):
         args.cpp_wrapper = gen.default_cpp_wrapper(args.device)
     if args.limit < 0:
         die("--limit must be 0 (all) or more")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):  # written after the whole run: checked first
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            die(f"{flag} {path}: not a file in an existing directory")
     try:
         specs = [m.strip() for m in args.methods.split(",") if m.strip()]
         methods = {}

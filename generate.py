@@ -51,6 +51,9 @@ SMALL_TREE = dict(TREE, total_tokens=3)
 # kernels.py builds where int8 weights (and an int8 head) decode fastest: integer dot products or the int8 tiles
 INT8_BUILDS = ("avx2", "avx2_vnni", "avx512_bf16", "amx")
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
+# the --tree each size flag shapes: generate.py drafts one tree, so a flag of another would be silently ignored
+FLAG_TREE = dict(depth="dynamic", draft_top_k="dynamic", total_tokens="dynamic", speculate_k="chain",
+                 tree_paths="static")
 
 
 # ---------------------------------------------------------------- sampling (no host syncs)
@@ -686,6 +689,16 @@ def check_args(args):
         return f"--top_k must be at least 1, got {args.top_k}"
     if args.max_seq_length is not None and args.max_seq_length < 2:
         return f"--max_seq_length must be at least 2, got {args.max_seq_length}"
+    if args.metrics_json is not None and (args.metrics_json.is_dir() or not args.metrics_json.parent.is_dir()):
+        return f"--metrics-json {args.metrics_json}: not a file in an existing directory"
+    stray = [flag for flag, tree in FLAG_TREE.items() if tree != args.tree and getattr(args, flag) is not None]
+    if stray:
+        return f"--{stray[0]} is a --tree {FLAG_TREE[stray[0]]} flag, but this run drafts --tree {args.tree}"
+    if args.tree == "static":
+        try:
+            parse_tree_paths(args.tree_paths)
+        except ValueError as e:
+            return str(e)
     if args.draft_quant not in ("auto", "none"):
         try:
             if parse_name(args.draft_quant)[2]:

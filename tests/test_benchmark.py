@@ -94,6 +94,7 @@ def test_benchmark_runs_an_eagle3_head(tmp_path, capsys, real_model):
     (["--prompts", "/nonexistent.jsonl"], "prompts file not found"),
     (["--methods", "plain,eagle-chain", "--speculate_k", "0"], "eagle-chain@bfloat16: --speculate_k must be in 1..16"),
     (["--methods", "eagle-dynamic@int8", "--total_tokens", "11"], "--total_tokens must be in 1..10 for depth 3"),
+    (["--out", "/nonexistent/dir/r.json"], "--out /nonexistent/dir/r.json: not a file in an existing directory"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

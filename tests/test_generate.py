@@ -235,7 +235,13 @@ def run_main(argv, capsys):
     (["--checkpoint", "/nonexistent/model"], "checkpoint directory not found"),
     (["--depth", "0"], "--depth must be in 1..16"),
     (["--depth", "2", "--draft_top_k", "2", "--total_tokens", "7"], "--total_tokens must be in 1..6"),
-    (["--speculate_k", "17"], "--speculate_k must be in 1..16"),
+    (["--tree", "chain", "--speculate_k", "17"], "--speculate_k must be in 1..16"),
+    # a size flag of another tree shape would be ignored: said, not ignored
+    (["--speculate_k", "3"], "--speculate_k is a --tree chain flag, but this run drafts --tree dynamic"),
+    (["--tree", "chain", "--depth", "4"], "--depth is a --tree dynamic flag, but this run drafts --tree chain"),
+    (["--tree_paths", "[[0]]"], "--tree_paths is a --tree static flag"),
+    (["--tree", "static", "--tree_paths", "[[0],[0,0]"], "--tree_paths is not a valid tree"),
+    (["--metrics-json", "/nonexistent/dir/m.json"], "--metrics-json /nonexistent/dir/m.json: not a file in an existing"),
 ])
 def test_bad_arguments_give_one_clear_line(argv, message, capsys):
     code, err = run_main(argv, capsys)
