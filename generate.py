@@ -661,18 +661,25 @@ def build_parser():
     return p
 
 
+def check_device(name: str):
+    """--device as one message (or None): unknown, not a CPU or CUDA, or CUDA on a machine without it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"unknown --device {name!r} (try cpu or cuda)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "--device cuda given but CUDA is not available here"
+    if device.type not in ("cpu", "cuda"):
+        return f"unsupported --device {name!r} (cpu or cuda)"
+    return None
+
+
 def check_args(args):
     """Every bad input becomes one clear message (and exit code 2), before any work is done."""
     if args.dtype not in DTYPES and args.dtype != "auto":
         return f"unknown --dtype {args.dtype!r}; choose from auto, {', '.join(DTYPES)}"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        return f"unknown --device {args.device!r} (try cpu or cuda)"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "--device cuda given but CUDA is not available here"
-    if device.type not in ("cpu", "cuda"):
-        return f"unsupported --device {args.device!r} (cpu or cuda)"
+    if (msg := check_device(args.device)) is not None:
+        return msg
     if args.max_new_tokens < 1:
         return f"--max_new_tokens must be at least 1, got {args.max_new_tokens}"
     if args.num_samples < 1:

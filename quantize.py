@@ -715,7 +715,7 @@ def main(argv=None):
     if args.mode != "int4" and args.groupsize is not None:
         die(f"--groupsize applies to --mode int4 only ({args.mode} has one scale per output channel"
             + (f", groups of {INT4I_GROUP})" if args.mode == "int4i" else ")"))
-    groupsize = (args.groupsize or 32) if args.mode == "int4" else None
+    groupsize = (32 if args.groupsize is None else args.groupsize) if args.mode == "int4" else None
     if groupsize is not None and groupsize not in GROUPSIZES:
         die(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))} (what torch's int4 kernels take), "
             f"got {groupsize}")

@@ -38,8 +38,8 @@ import kernels
 from eagle_head import (HEAD_CONFIG, HEAD_FILE, Eagle3Head, EagleHead, default_feature_layers,
                         head_config_from_target, load_head, save_head, target_info)
 from model import apply_rotary_emb
-from generate import (DTYPES, CheckpointError, Drafter, default_checkpoint, die, generate, generate_batch,
-                      load_model)
+from generate import (DTYPES, CheckpointError, Drafter, check_device, default_checkpoint, die, generate,
+                      generate_batch, load_model)
 from tokenizer import apply_chat_template, get_tokenizer
 from tp import finish_distributed
 
@@ -234,8 +234,25 @@ def extract(args):
     from tqdm import tqdm
     examples = load_examples(args.data, args.num_conversations, args.skip_conversations)  # its errors come first
     out = Path(args.out)
-    (out / "features").mkdir(parents=True, exist_ok=True)
     checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
+    meta = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_len": args.max_len, "data": args.data or
+            "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate,
+            "regen_tokens": args.regen_tokens, "regen_temperature": args.regen_temperature,
+            "regen_turns": args.regen_turns, "regen_max_prompt": args.regen_max_prompt,
+            "num_conversations": args.num_conversations,
+            "skip_conversations": args.skip_conversations, "shard_size": args.shard_size}
+    meta_path = out / f"{args.shard_prefix}extract_config.json"
+    if meta_path.is_file():  # a rerun resumes: its shards must be the ones these settings would write
+        def same(key, a, b):
+            return os.path.realpath(a) == os.path.realpath(b) if key in ("checkpoint", "data") else a == b
+        earlier = json.loads(meta_path.read_text())  # (more --num_conversations only adds shards)
+        changed = [k for k in meta if k in earlier and k != "num_conversations" and not same(k, meta[k], earlier[k])]
+        if "feature_layers" in earlier and (earlier["feature_layers"] is not None) != args.fused:
+            changed.append("--fused")
+        if changed:
+            die(f"{out} holds {args.shard_prefix}shards extracted with other settings ({', '.join(changed)}): use "
+                f"another --out or --shard_prefix, or the settings in {meta_path}")
+    (out / "features").mkdir(parents=True, exist_ok=True)
     # features: one long sequence at a time, where oneDNN's matmuls on the plain weight layout are the fast path;
     # the replies (--regenerate, a batch of one-token steps) run on weights packed for kernels.py's small-M kernel
     model = load_model(checkpoint, args.device, DTYPES[args.dtype], pack=False)
@@ -243,12 +260,7 @@ def extract(args):
     tokenizer = get_tokenizer(checkpoint)
     config = model.checkpoint_config
     template, system = config.get("chat_template", "none"), config.get("default_system_prompt")
-    meta = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_len": args.max_len, "data": args.data or
-            "sharegpt", "val_fraction": args.val_fraction, "regenerate": args.regenerate,
-            "regen_temperature": args.regen_temperature, "regen_turns": args.regen_turns,
-            "regen_max_prompt": args.regen_max_prompt,
-            "feature_layers": list(default_feature_layers(model.config.n_layer)) if args.fused else None}
-    meta_path = out / f"{args.shard_prefix}extract_config.json"
+    meta["feature_layers"] = list(default_feature_layers(model.config.n_layer)) if args.fused else None
     meta_path.write_text(json.dumps(meta, indent=2))
     shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
     todo = [i for i in range(len(shards)) if not (out / "features" / f"{args.shard_prefix}shard_{i:05d}.safetensors").is_file()]
@@ -917,6 +929,10 @@ def set_vocab(args):
     held-out assistant tokens it covers (a draft can only ever propose covered tokens)."""
     out = Path(args.out)
     head_dir = Path(args.head) if args.head else out / "head"
+    if not (head_dir / HEAD_CONFIG).is_file():
+        die(f"{head_dir} holds no trained head ({HEAD_CONFIG}): train one with `train.py fit` first, or pass --head")
+    if json.loads((head_dir / HEAD_CONFIG).read_text()).get("kind") == "eagle3":
+        die(f"{head_dir} is an EAGLE-3 head: its draft vocabulary is set when it is trained (fit --draft_vocab)")
     train_seqs, val_seqs = load_features(out, fused=False)
     target = load_model(run_checkpoint(args.checkpoint, out))
     head = load_head(head_dir, target)
@@ -962,6 +978,35 @@ def export(args):
 
 # ---------------------------------------------------------------- command line
 
+AT_LEAST_ONE = {"extract": ("num_conversations", "max_len", "shard_size", "regen_tokens", "regen_batch"),
+                "fit": ("epochs", "batch_size", "save_every", "eval_seqs", "eval_prompts")}
+AT_LEAST_ZERO = {"extract": ("skip_conversations", "regen_turns", "regen_max_prompt"),
+                 "fit": ("warmup", "max_train_seqs", "draft_vocab"), "vocab": ("size",)}
+
+
+def check_args(args, extract_parser):
+    """A command's bad numbers and flags as one message (exit code 2) before anything loads, or None."""
+    for names, low in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
+        for name in names.get(args.command, ()):
+            if getattr(args, name) < low:
+                return f"--{name} must be at least {low}, got {getattr(args, name)}"
+    if getattr(args, "device", None) is not None and (msg := check_device(args.device)) is not None:
+        return msg
+    if args.command == "extract":
+        if not 0 <= args.val_fraction < 1:
+            return f"--val_fraction must be in [0, 1), got {args.val_fraction}"
+        reply_flags = ("regen_tokens", "regen_temperature", "regen_batch", "regen_turns", "regen_max_prompt", "compile")
+        given = [flag for flag in reply_flags if getattr(args, flag) != extract_parser.get_default(flag)]
+        if given and not args.regenerate:
+            flag = "--no-compile" if given[0] == "compile" else f"--{given[0]}"
+            return f"{flag} shapes the replies of --regenerate, which this run does not ask for"
+        if args.regen_temperature < 0:
+            return f"--regen_temperature must be >= 0, got {args.regen_temperature}"
+    if args.command == "fit" and args.ttt_steps is not None and args.ttt_steps < 1:
+        return f"--ttt_steps must be at least 1, got {args.ttt_steps}"
+    return None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -975,7 +1020,7 @@ def main(argv=None):
     e.add_argument("--max_len", type=int, default=1024, help="tokens kept per conversation")
     e.add_argument("--shard_size", type=int, default=100, help="conversations per shard")
     e.add_argument("--val_fraction", type=float, default=0.02)
-    e.add_argument("--dtype", default="bfloat16", help="target precision for extraction")
+    e.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="target precision for extraction")
     e.add_argument("--device", default="cpu")
     e.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own")
     e.add_argument("--regen_tokens", type=int, default=256)
@@ -1036,6 +1081,8 @@ def main(argv=None):
     x.add_argument("--out", required=True, help="directory to write head.safetensors + head_config.json to")
     x.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     args = p.parse_args(argv)
+    if (msg := check_args(args, e)) is not None:
+        die(msg)
     try:
         {"extract": extract, "fit": fit, "vocab": set_vocab, "export": export}[args.command](args)
     except (CheckpointError, FileNotFoundError, ValueError) as e:

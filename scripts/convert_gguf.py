@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import ModelArgs, apply_rope_scaling  # noqa: E402
-from scripts.convert_hf_checkpoint import write_checkpoint  # noqa: E402
+from scripts.convert_hf_checkpoint import check_out_dir, write_checkpoint  # noqa: E402
 from tokenizer import chat_template_name, default_system_prompt  # noqa: E402
 
 GGUF_TO_OURS = {"attn_output": "attention.wo", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
@@ -135,6 +135,7 @@ def convert_gguf(gguf_path, out_dir):
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    check_out_dir(out_dir)
     reader = gguf.GGUFReader(str(gguf_path))
     args = args_from_gguf(reader)
     weights = gguf_weights(reader, args)

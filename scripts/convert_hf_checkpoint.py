@@ -17,7 +17,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import ModelArgs, args_from_hf_config, permute_rotate_half, rope_from_hf_config  # noqa: E402,F401
-from tokenizer import chat_template_name, default_system_prompt, read_chat_template  # noqa: E402
+from tokenizer import CHAT_TEMPLATES, chat_template_name, default_system_prompt, read_chat_template  # noqa: E402
+
+
+def check_out_dir(out_dir, source=None):
+    """A conversion replaces out_dir as a whole: refuse one that is not empty and not a checkpoint of this
+    project's (a folder of several, a model's own directory), or that is the model being converted."""
+    out_dir = Path(out_dir)
+    if source is not None and out_dir.resolve() == Path(source).resolve():
+        raise ValueError(f"--out {out_dir} is the model being converted: write the checkpoint elsewhere")
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not (
+            (out_dir / "model.safetensors").is_file() and "n_layer" in read_json(out_dir / "config.json"))):
+        raise ValueError(f"--out {out_dir} exists and is not a checkpoint this project wrote: it would be replaced "
+                         "as a whole, so give a new or empty directory")
+
+
+def read_json(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def write_checkpoint(out_dir, weights: dict, args: ModelArgs, extra_config: dict, tokenizer_files=(),
@@ -36,6 +55,7 @@ def write_checkpoint(out_dir, weights: dict, args: ModelArgs, extra_config: dict
         if tokenizer_json is not None:
             (tmp / "tokenizer.json").write_text(tokenizer_json)
         if out_dir.exists():
+            check_out_dir(out_dir)
             shutil.rmtree(out_dir)
         tmp.chmod(0o755)
         os.rename(tmp, out_dir)
@@ -114,6 +134,7 @@ def convert_hf_checkpoint(hf_dir, out_dir, chat_template=None):
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+    check_out_dir(out_dir, hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     try:
         args = args_from_hf_config(config)
@@ -132,8 +153,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf_dir", required=True, help="Hugging Face model directory (config.json + weights)")
     p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--chat_template", default=None, help="override the guessed chat format "
-                   "(chatml, llama-3, llama-2, vicuna, none)")
+    p.add_argument("--chat_template", default=None, choices=CHAT_TEMPLATES, help="override the guessed chat format")
     a = p.parse_args(argv)
     try:
         out = convert_hf_checkpoint(a.hf_dir, a.out, a.chat_template)

@@ -326,6 +326,10 @@ def main(argv=None):
     t_start = time.perf_counter()
     out = args.out or ROOT / "gpu_check.json"
     doc = args.doc or (ROOT / "gpu_check.md" if device.type == "cuda" else None)
+    for flag, path in (("--out", args.out), ("--doc", args.doc)):  # saved after every stage: checked first
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            print(f"error: {flag} {path}: not a file in an existing directory", file=sys.stderr)
+            return 2
 
     def save():  # after every stage: a run cut short still leaves what it measured
         results["seconds"] = round(time.perf_counter() - t_start, 1)

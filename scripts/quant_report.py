@@ -134,6 +134,10 @@ def main(argv=None):
         die(f"unknown --quant_dtype {args.quant_dtype!r}; choose from {', '.join(DTYPES)}")
     if args.max_new_tokens < 1 or args.prompts < 1:
         die("--max_new_tokens and --prompts must be at least 1")
+    if args.draft != "random" and not Path(args.draft).exists():  # (each config's process would fail on it)
+        die(f"--draft {args.draft}: no such head directory or file")
+    if not Path(args.prompts_file).is_file():
+        die(f"--prompts_file {args.prompts_file}: no such file")
     try:
         checkpoint = args.checkpoint or default_checkpoint()
         for c in configs:

@@ -251,6 +251,14 @@ def test_hf_error_paths(tmp_path, capsys):
     assert_cli_error(ch.main, ["--hf_dir", str(noheads), "--out", str(out)], capsys, "num_attention_heads")
     assert not out.exists()  # no half-written checkpoint after any failure
 
+    # the output replaces its directory as a whole: a folder holding other things, or the source, is refused
+    good = write_hf_dir(tmp_path / "good", CFG, hf_weights(CFG))
+    assert_cli_error(ch.main, ["--hf_dir", str(good), "--out", str(tmp_path)], capsys, "is not a checkpoint")
+    assert_cli_error(ch.main, ["--hf_dir", str(good), "--out", str(good)], capsys, "is the model being converted")
+    assert (good / "config.json").is_file() and (tmp_path / "partial").is_dir()
+    first = ch.convert_hf_checkpoint(good, out)  # a checkpoint it wrote is replaced
+    assert ch.convert_hf_checkpoint(good, out) == first and (first / "model.safetensors").is_file()
+
 
 def test_hf_tokenizer_files_chat_template_and_stop_ids(tmp_path):
     w = hf_weights(CFG)

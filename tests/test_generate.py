@@ -241,7 +241,7 @@ def run_main(argv, capsys):
     (["--tree", "chain", "--depth", "4"], "--depth is a --tree dynamic flag, but this run drafts --tree chain"),
     (["--tree_paths", "[[0]]"], "--tree_paths is a --tree static flag"),
     (["--tree", "static", "--tree_paths", "[[0],[0,0]"], "--tree_paths is not a valid tree"),
-    (["--metrics-json", "/nonexistent/dir/m.json"], "--metrics-json /nonexistent/dir/m.json: not a file in an existing"),
+    (["--metrics-json", "/nonexistent/dir/m.json"], "--metrics-json /nonexistent/dir/m.json: not a file in"),
 ])
 def test_bad_arguments_give_one_clear_line(argv, message, capsys):
     code, err = run_main(argv, capsys)

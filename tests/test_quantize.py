@@ -261,6 +261,7 @@ def run_cli(main, argv, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "int3"], "unknown --mode 'int3'"),
     (["--mode", "int4", "--groupsize", "48"], "--groupsize must be one of 32, 64, 128, 256"),
+    (["--mode", "int4", "--groupsize", "0"], "--groupsize must be one of 32, 64, 128, 256"),  # not the default 32
     (["--mode", "int8", "--groupsize", "32"], "--groupsize applies to --mode int4 only"),
     (["--mode", "int4i", "--pad"], "--pad applies to --mode int4 only"),
     (["--mode", "int4i", "--groupsize", "64"], "--groupsize applies to --mode int4 only (int4i has one scale per "

@@ -1,6 +1,7 @@
 """The timing scripts of scripts/ (verify_cost, cycle_cost, profile_decode, huge_pages_bench, linear_bench,
-attention_bench, batch_throughput): a bad number on the command line is one error line, before anything loads or
-compiles, and a prefix or a run too long for the model's context is one line too, not a traceback from the cache."""
+attention_bench, batch_throughput, quant_report, gpu_check): a bad number or a missing file on the command line is
+one error line, before anything loads or compiles, and a prefix or a run too long for the model's context is one
+line too, not a traceback from the cache."""
 import importlib
 import sys
 
@@ -36,6 +37,9 @@ def run_main(monkeypatch, script, *argv) -> tuple[int, str]:
     ("attention_bench", ["--threads", "0"], "--threads must be at least 1"),
     ("batch_throughput", ["--new_tokens", "0"], "--batch_sizes, --new_tokens and --rounds must be at least 1"),
     ("batch_throughput", ["--batch_sizes", "0", "8"], "--batch_sizes, --new_tokens and --rounds must be at least 1"),
+    # quant_report runs each config in a process of its own: a missing file is said once, before any of them
+    ("quant_report", ["--draft", "heads/no-such-head"], "--draft heads/no-such-head: no such head directory"),
+    ("quant_report", ["--prompts_file", "no/such.jsonl"], "--prompts_file no/such.jsonl: no such file"),
 ])
 def test_timing_scripts_reject_bad_numbers_in_one_line(monkeypatch, capsys, script, argv, says):
     code, line = run_main(monkeypatch, script, *argv)
@@ -50,3 +54,10 @@ def test_timing_scripts_say_when_the_prefix_outgrows_the_context(monkeypatch, ca
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: --prefix 600")
     assert "512-token context" in err
+
+
+def test_gpu_check_checks_its_output_paths_first(tmp_path, capsys):
+    from scripts import gpu_check
+    assert gpu_check.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "no" / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: --out {tmp_path / 'no' / 'x.json'}: not a file in an existing directory"

@@ -592,6 +592,34 @@ def test_bad_inputs_exit_2_with_one_line(tiny_run, tmp_path, capsys, default_che
 
 # ---------------------------------------------------------------- command line
 
+def test_vocab_takes_an_eagle_head_only(tmp_path, capsys):
+    code, err = exit_code_and_stderr(["vocab", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "holds no trained head" in err
+    (tmp_path / "run" / "head").mkdir(parents=True)
+    (tmp_path / "run" / "head" / "head_config.json").write_text(json.dumps({"kind": "eagle3"}))
+    code, err = exit_code_and_stderr(["vocab", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is an EAGLE-3 head" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["extract", "--device", "gpu"], "unknown --device 'gpu'"),
+    (["extract", "--shard_size", "0"], "--shard_size must be at least 1, got 0"),
+    (["extract", "--skip_conversations", "-1"], "--skip_conversations must be at least 0"),
+    (["extract", "--val_fraction", "1"], "--val_fraction must be in [0, 1)"),
+    (["extract", "--regen_batch", "4"], "--regen_batch shapes the replies of --regenerate"),
+    (["extract", "--no-compile"], "--no-compile shapes the replies of --regenerate"),
+    (["extract", "--regenerate", "--regen_temperature", "-1"], "--regen_temperature must be >= 0"),
+    (["fit", "--save_every", "0"], "--save_every must be at least 1, got 0"),
+    (["fit", "--epochs", "-1"], "--epochs must be at least 1"),
+    (["fit", "--eval_seqs", "0"], "--eval_seqs must be at least 1"),
+    (["fit", "--ttt_steps", "0"], "--ttt_steps must be at least 1"),
+    (["vocab", "--size", "-1"], "--size must be at least 0"),
+])
+def test_bad_numbers_are_one_line_before_loading(argv, message, tmp_path, capsys):
+    code, err = exit_code_and_stderr([argv[0], "--out", str(tmp_path / "run"), *argv[1:]], capsys)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()  # nothing written
+
 def test_help_lists_the_options(capsys):
     capsys.readouterr()
     top = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True)
@@ -719,6 +747,12 @@ def test_extract_regenerate_end_to_end(tmp_path, default_checkpoint):
     assert all(torch.equal(a[1], b[1]) for a, b in zip(lean[0] + lean[1], train_seqs + val_seqs))
     files = sorted((out / "features").iterdir())
     train.main(args)  # resumes: every shard is there, nothing is redone
+    assert [f.stat().st_mtime_ns for f in sorted((out / "features").iterdir())] == [f.stat().st_mtime_ns for f in files]
+    # a rerun with settings that would cut other shards is refused (it would have counted them all done)
+    for changed, flag in (("--shard_size", "3"), ("--max_len", "64"), ("--regen_tokens", "6")):
+        with pytest.raises(SystemExit) as e:
+            train.main([*args, changed, flag])
+        assert e.value.code == 2
     assert [f.stat().st_mtime_ns for f in sorted((out / "features").iterdir())] == [f.stat().st_mtime_ns for f in files]
 
 
