@@ -23,8 +23,9 @@ import kernels
 from eagle_head import (EAGLE1_TREE, StaticTree, draft_dynamic, draft_static, head_update, load_head, random_head,
                         target_features,
                         tree_ancestors, tree_attention_mask, tree_from_paths)
-from model import (DEFAULT_CHECKPOINT, CheckpointError, ModelArgs, Transformer, default_checkpoint,  # noqa: F401
-                   default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict, pack_weights, read_config)
+from model import (DEFAULT_CHECKPOINT, SMALL_T, CheckpointError, ModelArgs, Transformer,  # noqa: F401
+                   default_checkpoint, default_gguf, load_checkpoint, load_safetensors, load_state_dict_strict,
+                   pack_weights, read_config)
 from quantize import HEAD_CONFIG, act_bits, load_quantized, parse_name, quantize_checkpoint, quantized_file
 from tp import finish_distributed, init_distributed, shard_model
 from tokenizer import apply_chat_template, get_tokenizer, incremental_decoder
@@ -48,6 +49,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TREE = dict(depth=3, top_k=2, total_tokens=4, speculate_k=3)
 WIDE_TREE = dict(depth=4, top_k=3, total_tokens=8, speculate_k=4)
 SMALL_TREE = dict(TREE, total_tokens=3)
+# A verification's attention runs each row as a decode step runs it up to this many rows (the root and the nodes:
+# kernels.attention, or on CUDA the padded matmul path); past it, SDPA, which rounds otherwise, and greedy EAGLE
+# could part from plain decoding. So a tree has at most MAX_VERIFY_ROWS - 1 nodes.
+MAX_VERIFY_ROWS = min(kernels.MAX_M, SMALL_T)
 # kernels.py builds where int8 weights (and an int8 head) decode fastest: integer dot products or the int8 tiles
 INT8_BUILDS = ("avx2", "avx2_vnni", "avx512_bf16", "amx")
 TREE_FLAGS = dict(depth="depth", top_k="draft_top_k", total_tokens="total_tokens", speculate_k="speculate_k")
@@ -374,6 +379,9 @@ class Drafter:
                 top_k, total_tokens = 1, depth
             self.top_k, self.total_tokens = top_k, total_tokens
             self.depth, self.n_nodes, self.n_slots = depth, total_tokens, (depth - 1) * top_k
+        if self.n_nodes + 1 > MAX_VERIFY_ROWS:
+            raise ValueError(f"a draft tree of {self.n_nodes} nodes: at most {MAX_VERIFY_ROWS - 1}, which a "
+                             "verification computes row by row as decoding does (exactly the same output)")
         # cache slots one cycle may touch past the committed prefix (verify and head expansions)
         self.headroom = max(self.n_nodes + 1, self.n_slots, self.depth + 1)
 
@@ -501,7 +509,7 @@ def speculative_generate(model, drafter, prompt, budget, stop_ids=(), callback=l
     return tokens, stats
 
 
-AUTO_SIZES = (3, 4, 8, 12, 16, 24, 32)  # 3: SMALL_TREE's (default_tree)
+AUTO_SIZES = (3, 4, 8, 12, 16, 24, 31)  # 3: SMALL_TREE's (default_tree); 31: MAX_VERIFY_ROWS - 1
 
 
 def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, new_tokens=32, rounds=2):
@@ -510,9 +518,15 @@ def auto_total_tokens(model, head, prompt_ids, depth, top_k, sizes=AUTO_SIZES, n
     forward (the verify-cost curve); which wins depends on the hardware and the head, so each size generates
     `new_tokens` greedily from the prompt (interleaved, best of `rounds`). Run it before compiling: it times
     eager steps. Returns (best size, {size: (tokens/s, τ)})."""
-    drafters = {n: Drafter(head, "dynamic", depth, top_k, n) for n in sizes if n <= tree_pool(depth, top_k)}
+    pool, room = tree_pool(depth, top_k), model.config.block_size - len(prompt_ids)
+    drafters = {n: Drafter(head, "dynamic", depth, top_k, n) for n in sorted({min(n, pool) for n in sizes})}
+    drafters = {n: d for n, d in drafters.items() if d.headroom < room}  # (a small tree: its own size the largest)
+    if not drafters:
+        raise ValueError(f"--total_tokens auto: a prompt of {len(prompt_ids)} tokens leaves no room for a draft tree "
+                         f"in the model's {model.config.block_size}-token context")
     prompt = torch.tensor(prompt_ids, dtype=torch.int, device=head.fc.weight.device)
-    model.setup_caches(1, len(prompt_ids) + new_tokens + max(d.headroom for d in drafters.values()) + 1)
+    model.setup_caches(1, min(len(prompt_ids) + new_tokens + max(d.headroom for d in drafters.values()) + 1,
+                              model.config.block_size))
     seconds_per_token, tau = {}, {}
     for _ in range(rounds):
         for n, drafter in drafters.items():
@@ -722,10 +736,17 @@ def parse_tree_paths(text):
     if text is None:
         return None
     try:
-        paths = json.loads(Path(text).read_text() if Path(text).is_file() else text)
+        is_file = Path(text).is_file()
+    except OSError:  # a long inline tree is no file name
+        is_file = False
+    try:
+        paths = json.loads(Path(text).read_text() if is_file else text)
         tree_from_paths(paths)
     except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise ValueError(f"--tree_paths is not a valid tree ({e}); expected e.g. [[0],[1],[0,0]]") from None
+    if len(paths) + 1 > MAX_VERIFY_ROWS:
+        raise ValueError(f"--tree_paths has {len(paths)} nodes: at most {MAX_VERIFY_ROWS - 1}, which a verification "
+                         "computes row by row as decoding does (exactly the same output)")
     return paths
 
 
@@ -781,7 +802,10 @@ def timed_drafter(model, drafter, args, prompt_ids):
     if drafter is None or drafter.kind != "dynamic" or args.total_tokens != "auto":
         return drafter
     t0 = time.perf_counter()
-    best, table = auto_total_tokens(model, drafter.head, prompt_ids, args.depth, args.draft_top_k)
+    try:
+        best, table = auto_total_tokens(model, drafter.head, prompt_ids, args.depth, args.draft_top_k)
+    except ValueError as e:
+        die(e)
     print(f"--total_tokens auto: {best} ({time.perf_counter() - t0:.1f} s; tokens/s, tau by size: "
           + ", ".join(f"{n}: {v:.1f}, {t:.2f}" for n, (v, t) in table.items()) + ")", file=sys.stderr)
     return Drafter(drafter.head, "dynamic", args.depth, args.draft_top_k, best)
@@ -866,9 +890,11 @@ def check_tree(args):
         return f"--speculate_k must be in 1..16, got {args.speculate_k}"
     if None in (args.depth, args.draft_top_k, args.total_tokens) or args.total_tokens == "auto":
         return None
-    if not 1 <= args.total_tokens <= tree_pool(args.depth, args.draft_top_k):
-        return (f"--total_tokens must be in 1..{tree_pool(args.depth, args.draft_top_k)} for depth {args.depth} and "
-                f"top_k {args.draft_top_k}, got {args.total_tokens}")
+    most = min(tree_pool(args.depth, args.draft_top_k), MAX_VERIFY_ROWS - 1)
+    if not 1 <= args.total_tokens <= most:
+        return (f"--total_tokens must be in 1..{most} for depth {args.depth} and top_k {args.draft_top_k}, got "
+                f"{args.total_tokens}" + (f" ({most} + the root: the rows a verification computes as decoding does)"
+                                          if most == MAX_VERIFY_ROWS - 1 else ""))
     return None
 
 

@@ -448,9 +448,13 @@ def test_total_tokens_auto_picks_the_fastest_size(monkeypatch):
     monkeypatch.setattr(gen.time, "perf_counter", lambda: clock[0])
     best, table = gen.auto_total_tokens(model, head, [3, 1, 4, 1, 5], depth=4, top_k=3, new_tokens=10)
     assert best == 12
-    assert list(table) == [3, 4, 8, 12, 16, 24]  # 32 exceeds the 3 + 3 * 9 = 30 nodes depth 4, top-k 3 can offer
-    assert seen == [3, 4, 8, 12, 16, 24] * 2  # interleaved rounds
+    assert list(table) == [3, 4, 8, 12, 16, 24, 30]  # 31 exceeds the 3 + 3 * 9 = 30 nodes of depth 4, top-k 3: 30
+    assert seen == [3, 4, 8, 12, 16, 24, 30] * 2  # interleaved rounds
     assert all(tau >= 1 for _, tau in table.values())
+    # a tree smaller than every size tries its own (was: max() of nothing); a prompt filling the context is one error
+    assert list(gen.auto_total_tokens(model, head, [3, 1, 4], depth=1, top_k=2, new_tokens=4)[1]) == [2]
+    with pytest.raises(ValueError, match="leaves no room for a draft tree"):
+        gen.auto_total_tokens(model, head, [1] * (model.config.block_size - 3), depth=4, top_k=3, new_tokens=4)
 
 
 def test_top_k_rows_is_torch_topk_eager_and_compiled():
