@@ -1038,6 +1038,16 @@ def run(args, model, tokenizer, drafter, encode, stop_ids, sampling, device, ran
         prompt_ids = encode(text, messages)
         if not prompt_ids:
             die("the prompt is empty")
+        if args.interactive:  # the oldest turns give way when the conversation and a reply outgrow the cache
+            room = cache_size(0)[0] - max(headroom, 1) - args.max_new_tokens
+            while messages and len(prompt_ids) > room:
+                messages = messages[2:]
+                prompt_ids = encode(text, messages)
+                print(f"(the conversation's oldest turn left out: with a reply it outgrew the {cache_size(0)[0]}-token "
+                      "KV cache, --max_seq_length)", file=sys.stderr)
+            if (problem := cache_size(len(prompt_ids))[1]) is not None:  # this message alone: say so, chat on
+                print(f"error: {problem}", file=sys.stderr)
+                continue
         prompt = prepare(prompt_ids)
 
         push = incremental_decoder(tokenizer)

@@ -319,10 +319,24 @@ def test_cli_interactive_keeps_the_conversation_and_warms_up_first(tmp_path, cap
     assert second["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]
     assert len(second["prompt_ids"]) > len(first["prompt_ids"]) + len(first["token_ids"])
     assert "Paris" in first["text"] and captured.out.count("You: ") == 3  # two questions, then the end of input
-    # a cache too small even for the warm-up's prompt: no warm-up, and the first question gets the one-line error
+    # a cache too small even for the warm-up's prompt: no warm-up, and the question gets the one-line error, the chat
+    # going on (here to the end of input)
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
-    code, err = run_main(["--interactive", "--max_seq_length", "8", "--draft", "none", "--compile"], capsys)
-    assert code == 2 and "does not fit the KV cache of 8 tokens" in err[-1]
+    main(["--interactive", "--max_seq_length", "8", "--draft", "none", "--compile"])
+    err = capsys.readouterr().err
+    assert "error: prompt of" in err and "does not fit the KV cache of 8 tokens" in err and "warm-up" not in err
+
+
+def test_cli_interactive_leaves_out_the_oldest_turns_when_the_cache_is_full(tmp_path, capsys, monkeypatch):
+    import io
+    out = tmp_path / "m.jsonl"
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\nAnd of Spain?\n"))
+    main(["--interactive", "--temperature", "0", "--max_seq_length", "80", "--max_new_tokens", "10", "--draft", "none",
+          "--dtype", "float32", "--no-compile", "--metrics-json", str(out)])
+    prompts = [json.loads(line)["prompt_ids"] for line in out.read_text().splitlines()]
+    assert len(prompts) == 3 and all(len(p) <= 80 - 1 - 10 for p in prompts)  # each with room for its reply
+    assert "oldest turn left out" in capsys.readouterr().err
+    assert prompts[2][:len(prompts[0]) - 8] != prompts[0][:-8]  # the first question is gone from the third prompt
 
 
 def test_cli_total_tokens_auto(tmp_path, capsys, hf_reference):
