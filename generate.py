@@ -331,7 +331,7 @@ def generate_batch(model, prompts, max_new_tokens, stop_ids=(), **sampling):
     the longest, each row with its own RoPE positions and a mask that hides the padding, so a row decodes as it
     would alone (bit for bit on the CPU kernels). A row stops at a stop id or after max_new_tokens; the batch runs
     until all have. Returns B lists of new token ids, each as generate() would return it, except where the cache ends
-    first: every row then gets S minus the longest prompt's length (the rows share the cache's columns).
+    first: every row then gets S minus the longest prompt's length (the rows share the cache's columns)."""
     B, T, S = len(prompts), max(len(p) for p in prompts), model.max_seq_length
     device = model.norm.weight.device
     if B > model.max_batch_size:
