@@ -14,6 +14,7 @@ Head positions are aligned with target positions: the pair (f_t, x_{t+1}) sits a
 Every drafting function has fixed shapes for fixed (depth, top_k, total_tokens), so it compiles once.
 """
 import json
+import pickle
 from dataclasses import fields
 from pathlib import Path
 
@@ -435,6 +436,8 @@ def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
     else:
         config = {**head.config.to_dict(), "bias": head.bias, "target": target_info,
                   "draft_vocab_size": 0 if head.draft_vocab is None else len(head.draft_vocab), **(extra or {})}
+    config.pop("quantized", None)  # (carried over in extra from the head it replaces)
+    remove_quantized_files(out_dir)
     # weights in the plain layout whatever the head runs with (packed for the CPU kernels, see model.pack_weights)
     state = {k: (kernels.unpack(v) if v.dim() == 4 else v).contiguous() for k, v in head.state_dict().items()}
     for name, write in ((HEAD_FILE, lambda p: save_file(state, p)),
@@ -445,6 +448,13 @@ def save_head(head: EagleHead, out_dir, target_info: dict, extra: dict = None):
         os.chmod(tmp, 0o644)  # mkstemp makes files private; a head is meant to be shared
         os.replace(tmp, out_dir / name)
     return out_dir
+
+
+def remove_quantized_files(head_dir):
+    """A head rewritten in head_dir: the quantized files quantize.py --draft wrote for the old one go (a later
+    --draft_quant int8 would load them by name, and draft with the old head)."""
+    for f in Path(head_dir).glob("head_*.safetensors"):
+        f.unlink()
 
 
 def target_info(target) -> dict:
@@ -461,7 +471,11 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
     a project-layout head without that file is quantized in memory, as quantize.py would write it."""
     path = Path(path)
     weights_file = f"head_{quantization}.safetensors" if quantization else HEAD_FILE
-    if path.is_file():
+    if path.is_file() and path.name in ("model.safetensors", "pytorch_model.bin"):  # an official head's weights
+        path = path.parent
+    elif path.is_file():
+        if quantization and path.name != weights_file:
+            raise ValueError(f"draft head file {path} is not the {quantization} head asked for ({weights_file})")
         path, weights_file = path.parent, path.name
     if not dtype.is_floating_point:  # the caller passed an int8 embedding's dtype: use the target's activations'
         dtype = target.norm.weight.dtype
@@ -489,6 +503,8 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
         else:
             weights = _load_weights(path / weights_file)
         if config.get("kind") == "eagle3":
+            if missing := [k for k in ("target_dim", "feature_layers", "draft_vocab_size") if k not in config]:
+                raise ValueError(f"{path / HEAD_CONFIG}: an EAGLE-3 head's config lacks {', '.join(missing)}")
             head = Eagle3Head(args, config["target_dim"], config["feature_layers"], config["draft_vocab_size"],
                               config.get("norm_before_residual", False), config.get("extra_layers", 0))
         else:
@@ -528,9 +544,12 @@ def load_head(path, target, device="cpu", dtype=torch.float32, quantization=None
 
 def _read_json(path):
     try:
-        return json.loads(Path(path).read_text())
+        config = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"corrupt {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"corrupt {path}: not a JSON object")
+    return config
 
 
 def _load_weights(path):
@@ -542,7 +561,8 @@ def _load_weights(path):
         if str(path).endswith(".bin"):
             return torch.load(path, map_location="cpu", weights_only=True)
         return {k: aligned(v) for k, v in load_file(str(path)).items()}
-    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as e:
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        # (a Git LFS pointer, or a whole pickled model, is no state dict torch.load takes with weights_only)
         raise ValueError(f"corrupt draft head weights {path}: {e}") from None
 
 

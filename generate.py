@@ -28,7 +28,7 @@ from model import (DEFAULT_CHECKPOINT, SMALL_T, CheckpointError, ModelArgs, Tran
                    pack_weights, read_config)
 from quantize import HEAD_CONFIG, act_bits, load_quantized, parse_name, quantize_checkpoint, quantized_file
 from tp import finish_distributed, init_distributed, shard_model
-from tokenizer import apply_chat_template, get_tokenizer, incremental_decoder
+from tokenizer import CHAT_TEMPLATES, apply_chat_template, get_tokenizer, incremental_decoder
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_HEAD = ROOT / "heads" / "smollm2-135m-eagle3"
@@ -961,6 +961,8 @@ def main(argv=None):
           f"in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     stop_ids = set() if args.ignore_eos else set(config.get("stop_token_ids", []))
     template = config.get("chat_template", "none")
+    if (args.chat or args.interactive) and template not in CHAT_TEMPLATES:
+        die(f"{checkpoint}: config.json's chat_template {template!r} is none of {', '.join(CHAT_TEMPLATES)}")
     system = args.system if args.system is not None else config.get("default_system_prompt")
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 

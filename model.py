@@ -40,6 +40,9 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "dim", "n_local_heads"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):  # (a config file's mistake)
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.intermediate_size is None:  # LLaMA's rule: 2/3 of 4*dim, rounded up to a multiple of 256
             hidden = int(2 * (4 * self.dim) / 3)
             self.intermediate_size = hidden + (-hidden % 256)

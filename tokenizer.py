@@ -57,10 +57,12 @@ class SentencePieceTokenizer:
 
 def get_tokenizer(checkpoint_dir):
     checkpoint_dir = Path(checkpoint_dir)
-    if (checkpoint_dir / "tokenizer.json").is_file():
-        return HFTokenizer(checkpoint_dir / "tokenizer.json")
-    if (checkpoint_dir / "tokenizer.model").is_file():
-        return SentencePieceTokenizer(checkpoint_dir / "tokenizer.model")
+    for name, kind in (("tokenizer.json", HFTokenizer), ("tokenizer.model", SentencePieceTokenizer)):
+        if (checkpoint_dir / name).is_file():
+            try:
+                return kind(checkpoint_dir / name)
+            except Exception as e:  # tokenizers and sentencepiece raise plain Exception / RuntimeError on a bad file
+                raise ValueError(f"corrupt {checkpoint_dir / name}: {e}") from None
     raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {checkpoint_dir}")
 
 

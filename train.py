@@ -36,7 +36,7 @@ from torch import Tensor
 
 import kernels
 from eagle_head import (HEAD_CONFIG, HEAD_FILE, Eagle3Head, EagleHead, default_feature_layers,
-                        head_config_from_target, load_head, save_head, target_info)
+                        head_config_from_target, load_head, remove_quantized_files, save_head, target_info)
 from model import apply_rotary_emb
 from generate import (DTYPES, CheckpointError, Drafter, check_device, default_checkpoint, die, generate,
                       generate_batch, load_model)
@@ -952,8 +952,9 @@ def set_vocab(args):
 
 def export(args):
     """Writes a run's head as heads/ ship it: float weights cast to --dtype (bf16 halves the file and is what the
-    benchmarks run), integer token maps (d2t, t2d) kept exact, head_config.json unchanged, the run's summary.json
-    beside them as train_summary.json. Every file is written atomically."""
+    benchmarks run), integer token maps (d2t, t2d) kept exact, head_config.json as it is (less its list of quantized
+    files: quantized files of a head are not copied, and those of an earlier head in --out go), the run's
+    summary.json beside them as train_summary.json. Every file is written atomically."""
     run = Path(args.run)
     src = run / "head" if (run / "head" / HEAD_FILE).is_file() else run
     if not (src / HEAD_FILE).is_file() or not (src / HEAD_CONFIG).is_file():
@@ -966,11 +967,13 @@ def export(args):
     dtype = DTYPES[args.dtype]
     weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(src / HEAD_FILE).items()}
     out.mkdir(parents=True, exist_ok=True)
+    remove_quantized_files(out)  # an earlier head's quantize.py --draft files
     atomic_save(weights, out / HEAD_FILE)
+    config = {k: v for k, v in json.loads((src / HEAD_CONFIG).read_text()).items() if k != "quantized"}
+    atomic_write(out / HEAD_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
     summary = run / "summary.json"
-    for source, name in ((src / HEAD_CONFIG, HEAD_CONFIG), (summary, "train_summary.json")):
-        if source.is_file():
-            atomic_write(out / name, lambda tmp: Path(tmp).write_bytes(source.read_bytes()))
+    if summary.is_file():
+        atomic_write(out / "train_summary.json", lambda tmp: Path(tmp).write_bytes(summary.read_bytes()))
     size = sum(v.numel() * v.element_size() for v in weights.values())
     print(f"{src} -> {out}: {len(weights)} tensors, {size / 1e6:.1f} MB in {args.dtype}"
           f"{'' if summary.is_file() else ' (no summary.json in the run: none copied)'}", file=sys.stderr)

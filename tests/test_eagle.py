@@ -374,6 +374,24 @@ def test_official_layout_missing_keys_and_mismatched_target(tmp_path):
     (tmp_path / "ours" / "head.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="corrupt"):
         load_head(tmp_path / "ours", model)
+    # an official head cloned without git-lfs: its pytorch_model.bin is a pointer, no pickle
+    to_official_layout(head, tmp_path / "lfs", use_bin=True)
+    (tmp_path / "lfs" / "pytorch_model.bin").write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match="corrupt draft head weights"):
+        load_head(tmp_path / "lfs", model)
+    save_head(head, tmp_path / "ours", target_info(model))
+    official = tmp_path / "official2"
+    to_official_layout(head, official, use_bin=False)
+    assert load_head(official / "model.safetensors", model).fc.weight.shape == head.fc.weight.shape  # its weights file
+    with pytest.raises(ValueError, match="is not the int8 head asked for"):  # not silently the float head
+        load_head(tmp_path / "ours" / "head.safetensors", model, quantization="int8")
+    config = json.loads((tmp_path / "ours" / "head_config.json").read_text())
+    (tmp_path / "ours" / "head_config.json").write_text(json.dumps({**config, "kind": "eagle3"}))
+    with pytest.raises(ValueError, match="config lacks target_dim, feature_layers"):
+        load_head(tmp_path / "ours", model)
+    (tmp_path / "ours" / "head_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        load_head(tmp_path / "ours", model)
 
 
 # ---------------------------------------------------------------- compiled steps

@@ -268,6 +268,15 @@ def test_corrupt_and_incomplete_checkpoints(tmp_path, capsys, default_checkpoint
     assert code == 2 and "does not match its config" in err[-1]
 
 
+def test_an_unknown_chat_template_in_the_config_is_one_line(tmp_path, capsys, default_checkpoint):
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / name).symlink_to(default_checkpoint / name)
+    config = json.loads((default_checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "chat_template": "llama3"}))
+    code, err = run_main(["--checkpoint", str(tmp_path), "--chat", "--draft", "none", "--no-compile"], capsys)
+    assert code == 2 and "config.json's chat_template 'llama3' is none of chatml, llama-3" in err[-1]
+
+
 def test_prompt_longer_than_cache(capsys):
     code, err = run_main(["--prompt", "word " * 50, "--max_seq_length", "16"], capsys)
     assert code == 2 and "does not fit the KV cache" in err[-1]

@@ -280,3 +280,9 @@ def test_compiled_one_query_attention_is_fused_and_equals_sdpa():
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
     fused = torch.compile(small_attention, fullgraph=True, dynamic=False)
     torch.testing.assert_close(fused(q, k, v, mask[None, None]), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [dict(n_head=0), dict(n_local_heads=0), dict(dim=-64), dict(n_layer="2")])
+def test_model_args_refuse_sizes_that_are_not_positive_integers(bad):
+    with pytest.raises(ValueError, match="must be a positive integer"):  # (a config.json's mistake, said as such)
+        ModelArgs(**{**make_tiny_model().config.to_dict(), **bad})

@@ -214,3 +214,14 @@ def test_tokenizer_json_preferred_and_missing(sp_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         get_tokenizer(tmp_path / "empty")
+
+
+def test_a_corrupt_tokenizer_file_is_a_value_error(tmp_path):
+    from tokenizer import get_tokenizer
+    (tmp_path / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\n")  # cloned without git-lfs
+    with pytest.raises(ValueError, match="corrupt .*tokenizer.json"):
+        get_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00" * 32)
+    with pytest.raises(ValueError, match="corrupt .*tokenizer.model"):
+        get_tokenizer(tmp_path)

@@ -898,6 +898,20 @@ def test_export_casts_the_weights_keeps_the_token_maps_and_loads_as_the_run_does
     a, b = (load_head(d, target, dtype=torch.bfloat16) for d in (run / "head", tmp_path / "ship"))
     assert len(b.blocks) == 1 and all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
                                                                          b.state_dict().values()))
+    # quantized for shipping (quantize.py --draft), then exported over: the old head's int8 file goes with it
+    from quantize import quantize_head_dir
+    quantize_head_dir(tmp_path / "ship", "int8")
+    assert "quantized" in json.loads((tmp_path / "ship" / "head_config.json").read_text())
+    train.main(["export", "--run", str(run), "--out", str(tmp_path / "ship")])
+    assert not (tmp_path / "ship" / "head_int8.safetensors").exists()
+    assert "quantized" not in json.loads((tmp_path / "ship" / "head_config.json").read_text())
+    other = tmp_path / "other"  # and save_head over a quantized head does the same
+    save_head(random_head(target), other, target_info(target))
+    quantize_head_dir(other, "int8")
+    listed = json.loads((other / "head_config.json").read_text())  # its "quantized" entry, passed on as extra
+    save_head(random_head(target, seed=1), other, target_info(target), listed)
+    assert not (other / "head_int8.safetensors").exists()
+    assert "quantized" not in json.loads((other / "head_config.json").read_text())
     train.main(["export", "--run", str(run / "head"), "--out", str(tmp_path / "f32"), "--dtype", "float32"])
     assert all(torch.equal(v, raw[k]) for k, v in load_file(tmp_path / "f32" / "head.safetensors").items())
     assert not (tmp_path / "f32" / "train_summary.json").exists()  # a bare head directory has no summary
