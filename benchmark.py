@@ -49,14 +49,17 @@ def load_prompts(path, tokenizer, config, limit):
             r = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-        if "turns" in r:
+        if not isinstance(r, dict) or not (r.get("turns") or r.get("prompt")):
+            raise ValueError(f"{path}:{n}: a record needs a non-empty 'turns' list or 'prompt'")
+        if r.get("turns"):
             text = apply_chat_template([{"role": "user", "content": r["turns"][0]}], config.get("chat_template"),
                                        config.get("default_system_prompt"))
-        elif "prompt" in r:
-            text = r["prompt"]
         else:
-            raise ValueError(f"{path}:{n}: a record needs 'turns' or 'prompt'")
-        prompts.append((r.get("id", n), tokenizer.encode(text)))
+            text = r["prompt"]
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise ValueError(f"{path}:{n}: the prompt encodes to no tokens")
+        prompts.append((r.get("id", n), ids))
         if limit and len(prompts) >= limit:
             break
     return prompts
@@ -114,7 +117,7 @@ def hf_model_from(model):
                       h + "mlp.down_proj.weight": sd[p + "feed_forward.w2.weight"],
                       h + "input_layernorm.weight": sd[p + "attention_norm.weight"],
                       h + "post_attention_layernorm.weight": sd[p + "ffn_norm.weight"]})
-    hf = LlamaForCausalLM(hf_config).to(sd["norm.weight"].dtype)
+    hf = LlamaForCausalLM(hf_config).to(sd["norm.weight"].device, sd["norm.weight"].dtype)
     hf.load_state_dict(hf_sd)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -123,7 +126,7 @@ def hf_model_from(model):
 
 def hf_runner(hf, lookup, stop_ids):
     def run(ids, max_new_tokens):
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=hf.device)
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                           eos_token_id=sorted(stop_ids) or None, prompt_lookup_num_tokens=10 if lookup else None)
         return out[0, len(ids):].tolist(), {}
@@ -187,6 +190,10 @@ def build_runners(methods, args, checkpoint, stop_ids, prompts):
             drafters[spec] = gen.timed_drafter(models[weights], drafter, sized, prompts[0][1])
             print(f"{spec}: {tree_summary(drafters[spec])}", file=sys.stderr)
     cache = max(len(ids) for _, ids in prompts) + args.max_new_tokens + max([d.headroom for d in drafters.values()] + [0]) + 1
+    if models and cache > (context := min(m.config.block_size for m in models.values())):
+        raise ValueError(f"the longest prompt and --max_new_tokens {args.max_new_tokens}"
+                         f"{' and the draft tree' if drafters else ''} need {cache} cache slots, more than the "
+                         f"model's {context}-token context")
     runners = {}
     for spec, (name, weights) in methods.items():
         if name == "llama.cpp":
@@ -255,10 +262,11 @@ def summarize(methods, per_prompt, warmup, memory, args, n_prompts):
                                           for r, d in zip(runs, diffs) if d is not None]
         entry["per_prompt"] = runs
         results["methods"][spec] = entry
-    for spec, e in results["methods"].items():
+    for spec, e in results["methods"].items():  # against the same weights' plain decoding, else --dtype's, named
         ref = e.get("reference", f"plain@{args.dtype}")
-        if ref in results["methods"]:
+        if ref in results["methods"] and ref != spec:
             e["speedup_vs_plain"] = e["tokens_per_s"] / results["methods"][ref]["tokens_per_s"]
+            e["speedup_baseline"] = ref
     return results
 
 
@@ -273,6 +281,8 @@ def print_table(results):
         rates = " ".join(f"{r:.2f}" for r in e.get("acceptance_rate_by_depth", []))
         same = f"{e['equal_to_reference']}/{results['n_prompts']}" if "equal_to_reference" in e else ""
         speedup = f"{e['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in e else ""
+        if speedup and e["speedup_baseline"] != f"plain@{e['weights']}" and e["method"] != "llama.cpp":
+            speedup += f" (vs {e['speedup_baseline'].split('@')[1]})"  # no plain run on its own weights
         print(f"| {e['method']} | {e['weights']} | {e['tokens_per_s']:.1f} | {speedup} | {tau} | {rates} | {same} | "
               f"{e['weights_bytes'] / 2**20:.0f} | {e['warmup_seconds']:.0f} |")
     trees = [f"{spec}: {e['draft_tree']}" for spec, e in results["methods"].items() if "draft_tree" in e]
@@ -337,8 +347,13 @@ def main(argv=None):
         die(f"unknown --dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
     if args.max_new_tokens < 1:
         die("--max_new_tokens must be at least 1")
+    if (msg := gen.check_device(args.device)) is not None:
+        die(msg)
     if args.cpp_wrapper is None:
         args.cpp_wrapper = gen.default_cpp_wrapper(args.device)
+    if not args.no_compile and not gen.compiler_found(args.device):
+        print("no C++ compiler found (g++, c++ or clang++; $CXX): the methods run eager", file=sys.stderr)
+        args.no_compile = True
     if args.limit < 0:
         die("--limit must be 0 (all) or more")
     for flag, path in (("--out", args.out), ("--plot", args.plot)):  # written after the whole run: checked first
@@ -370,7 +385,7 @@ def main(argv=None):
         die(e)
     if not args.no_compile:
         torch._dynamo.config.recompile_limit = 64  # one graph per weights variant and tree shape
-        gen.compile_steps(cpp_wrapper=args.cpp_wrapper)
+        gen.compile_steps(args.device, cpp_wrapper=args.cpp_wrapper)
 
     warmup, memory = {}, {}
     for spec, (run, weights_bytes, tree) in runners.items():  # compile or warm caches on the first prompt, timed apart
@@ -394,6 +409,10 @@ def main(argv=None):
     tmp.write_text(json.dumps(results, indent=1))
     tmp.replace(args.out)
     print_table(results)
+    for spec, e in results["methods"].items():
+        if e["method"].startswith("eagle") and "reference" not in e:
+            print(f"note: no plain@{e['weights']} in this run, so {spec}'s output was not compared with plain "
+                  "decoding's", file=sys.stderr)
     if mismatches := results["mismatches"]:
         where = statistics.median(m["first_difference"] for m in mismatches)
         print(f"\nMISMATCH: {len(mismatches)} greedy EAGLE outputs differ from plain decoding on the same weights "

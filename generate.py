@@ -911,10 +911,15 @@ def resolve_defaults(args):
     fill_tree_defaults(args, args.quant or args.dtype, args.device)
     if args.cpp_wrapper is None:
         args.cpp_wrapper = default_cpp_wrapper(args.device)
-    if args.compile is None:  # torch.compile on CPU needs a C++ compiler
-        args.compile = torch.device(args.device).type == "cuda" or any(
-            shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++"))
+    if args.compile is None:
+        args.compile = compiler_found(args.device)
     return args
+
+
+def compiler_found(device) -> bool:
+    """Whether torch.compile can run here: on a CPU it needs a C++ compiler (on CUDA, Triton)."""
+    return torch.device(device).type == "cuda" or any(
+        shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++"))
 
 
 def die(msg):
@@ -942,6 +947,8 @@ def main(argv=None):
         rank, world = init_distributed(device)  # under torchrun: this process's share of a tensor-parallel model
     except (RuntimeError, ValueError) as e:
         die(f"could not join the process group: {e}")
+    if world > 1 and args.total_tokens == "auto":  # each process would time, and could pick, its own size
+        die("--total_tokens auto times tree sizes in one process; under torchrun give a size")
     if rank:  # every process computes the same tokens; one prints them
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:

@@ -727,7 +727,7 @@ def main(argv=None):
         else:
             out = quantize_checkpoint(args.checkpoint or default_checkpoint(), args.mode, groupsize,
                                       args.quantize_head, args.pad)
-    except (QuantizeError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (QuantizeError, CheckpointError, OSError, ValueError) as e:  # (OSError: a read-only or full directory)
         die(e)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
 

@@ -95,6 +95,8 @@ def test_benchmark_runs_an_eagle3_head(tmp_path, capsys, real_model):
     (["--methods", "plain,eagle-chain", "--speculate_k", "0"], "eagle-chain@bfloat16: --speculate_k must be in 1..16"),
     (["--methods", "eagle-dynamic@int8", "--total_tokens", "11"], "--total_tokens must be in 1..10 for depth 3"),
     (["--out", "/nonexistent/dir/r.json"], "--out /nonexistent/dir/r.json: not a file in an existing directory"),
+    (["--device", "gpu"], "unknown --device 'gpu'"),
+    (["--methods", "plain", "--max_new_tokens", "8192"], "more than the model's 8192-token context"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -118,3 +120,25 @@ def test_hf_peer_holds_the_same_weights(packed):
         ours = model(ids, torch.arange(12))
         theirs = benchmark.hf_model_from(model)(ids).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_empty_prompts_are_refused_where_they_are(tmp_path):
+    from tokenizer import get_tokenizer
+    from generate import default_checkpoint
+    tokenizer, path = get_tokenizer(default_checkpoint()), tmp_path / "p.jsonl"
+    for record, words in (({"turns": []}, "non-empty 'turns'"), ({"prompt": ""}, "non-empty 'turns'"),
+                          ({"x": 1}, "non-empty 'turns'")):
+        path.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n" + json.dumps(record) + "\n")
+        with pytest.raises(ValueError, match=f"p.jsonl:2: .*{words}"):
+            benchmark.load_prompts(path, tokenizer, {"chat_template": "chatml"}, 0)
+
+
+def test_a_speed_up_against_other_weights_names_them(capsys):
+    row = dict(weights_bytes=0, warmup_seconds=0.0)
+    results = {"n_prompts": 1, "prompts": "p", "max_new_tokens": 8, "compiled": False, "torch": "x",
+               "machine": {"threads": 2}, "methods": {
+                   "plain@bfloat16": dict(row, method="plain", weights="bfloat16", tokens_per_s=10.0),
+                   "eagle-dynamic@int8": dict(row, method="eagle-dynamic", weights="int8", tokens_per_s=20.0,
+                                              speedup_vs_plain=2.0, speedup_baseline="plain@bfloat16")}}
+    benchmark.print_table(results)
+    assert "| 2.00x (vs bfloat16) |" in capsys.readouterr().out

@@ -532,3 +532,10 @@ def test_batch_errors():
         gen.generate_batch(model, [[1], [2], [3]], 4)
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         gen.generate_batch(model, [[1] * 20, [2]], 4)
+
+
+def test_total_tokens_auto_is_refused_under_torchrun(monkeypatch, capsys):
+    import generate
+    monkeypatch.setattr(generate, "init_distributed", lambda device: (0, 2))  # as rank 0 of 2 processes
+    code, err = run_main(["--total_tokens", "auto"], capsys)
+    assert code == 2 and "under torchrun give a size" in err[-1]
