@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -172,8 +173,11 @@ def load_examples(data, limit, skip=0):
 
 
 def is_validation(example_id: str, fraction: float) -> bool:
-    """A stable split by hashed id, so the split never depends on data order or on how much was taken."""
-    return int(hashlib.sha1(example_id.encode()).hexdigest()[:8], 16) / 2 ** 32 < fraction
+    """A stable split by hashed id, so the split never depends on data order or on how much was taken. ShareGPT
+    cuts a long conversation into records "ID_0", "ID_15", ...: hashed without that suffix, they fall on one side
+    (each hashed alone put pieces of one conversation on both; shards extracted before keep their split)."""
+    conversation = re.sub(r"_\d+$", "", example_id)
+    return int(hashlib.sha1(conversation.encode()).hexdigest()[:8], 16) / 2 ** 32 < fraction
 
 
 def tokenize_example(ex, tokenizer, template, system, max_len):
@@ -229,6 +233,16 @@ def atomic_save(tensors: dict, path: Path, metadata=None):
     atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata))
 
 
+def shard_done(path: Path, conversations: int) -> bool:
+    """A shard extracted from these many conversations (the last shard of a shorter pass is redone; shards written
+    before the count was kept count as done)."""
+    if not path.is_file():
+        return False
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return int((f.metadata() or {}).get("conversations", conversations)) == conversations
+
+
 @torch.no_grad()
 def extract(args):
     from tqdm import tqdm
@@ -261,9 +275,10 @@ def extract(args):
     config = model.checkpoint_config
     template, system = config.get("chat_template", "none"), config.get("default_system_prompt")
     meta["feature_layers"] = list(default_feature_layers(model.config.n_layer)) if args.fused else None
-    meta_path.write_text(json.dumps(meta, indent=2))
+    atomic_write(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
     shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
-    todo = [i for i in range(len(shards)) if not (out / "features" / f"{args.shard_prefix}shard_{i:05d}.safetensors").is_file()]
+    todo = [i for i in range(len(shards))
+            if not shard_done(out / "features" / f"{args.shard_prefix}shard_{i:05d}.safetensors", len(shards[i]))]
     print(f"{len(examples)} conversations in {len(shards)} shards, {len(shards) - len(todo)} already done",
           file=sys.stderr)
     if args.regenerate and args.compile:
@@ -307,7 +322,8 @@ def extract(args):
         atomic_save({"tokens": torch.cat(rows["tokens"]), "features": torch.cat(rows["features"]),
                      "loss_mask": torch.cat(rows["loss_mask"]), "offsets": torch.tensor(rows["offsets"]),
                      "split": torch.tensor(rows["split"], dtype=torch.uint8), **extra},
-                    out / "features" / f"{args.shard_prefix}shard_{i:05d}.safetensors")
+                    out / "features" / f"{args.shard_prefix}shard_{i:05d}.safetensors",
+                    metadata={"conversations": str(len(shards[i]))})
     bar.close()
     print(f"extracted {n_tokens} tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
@@ -686,6 +702,7 @@ def batches_for_epoch(lengths, batch_size, epoch, seed):
     every process see the same order."""
     g = torch.Generator().manual_seed(seed + epoch)
     order = torch.randperm(len(lengths), generator=g).tolist()
+    order = order[:len(order) // batch_size * batch_size]  # the partial batch: random sequences, not the longest
     window = 16 * batch_size
     order = [i for w in range(0, len(order), window)
              for i in sorted(order[w:w + window], key=lambda i: lengths[i])]
@@ -698,6 +715,11 @@ def run_checkpoint(checkpoint, out: Path) -> Path:
     meta = out / "extract_config.json"
     recorded = json.loads(meta.read_text()).get("checkpoint") if meta.is_file() else None
     return Path(checkpoint or recorded or default_checkpoint())
+
+
+# fit's flags that a --resume must repeat (train_state.pt keeps them; checked, not silently mixed)
+RESUME_SETTINGS = ("kind", "batch_size", "epochs", "lr", "warmup", "weight_decay", "clip", "seed", "max_train_seqs",
+                   "ttt_steps", "ce_weight", "draft_vocab", "head_ffn", "head_layers", "init_head")
 
 
 def fit(args):
@@ -724,7 +746,7 @@ def fit(args):
     if args.max_train_seqs:
         train_seqs = train_seqs[:args.max_train_seqs]
     resuming = args.resume and (out / "train_state.pt").is_file()
-    start = load_start(args.init_head, target) if args.init_head and not resuming else None
+    start = load_start(args.init_head, target) if args.init_head else None  # (its shape, also when resuming)
     if args.kind != "eagle3" and args.head_layers:
         die("--head_layers deepens an EAGLE-3 head (--kind eagle3)")
     if args.kind == "eagle3":
@@ -742,7 +764,7 @@ def fit(args):
                          draft_vocab_size=0 if vocab is None else len(vocab))
         head = head.to(args.device).attach(target)
         head.set_draft_vocab(vocab)
-    if start is not None:
+    if start is not None and not resuming:
         init_from(head, start, args.init_head, target)
     head.setup_caches(max(len(s[0]) for s in train_seqs + val_seqs) + 64)
     for layer in head.layers():
@@ -758,8 +780,13 @@ def fit(args):
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     state_path = out / "train_state.pt"
     step = 0
+    # what a resumed run must share with the one it continues (its batches, schedule and loss are cut from these)
+    run_settings = {k: getattr(args, k) for k in RESUME_SETTINGS} | {"train_sequences": len(train_seqs)}
     if resuming:
         state = torch.load(state_path, map_location="cpu", weights_only=True)
+        if changed := [f"--{k} {v!r}" for k, v in state.get("run", {}).items() if run_settings.get(k) != v]:
+            die(f"{state_path} continues a run started with {', '.join(changed)}: resume with the same settings, or "
+                f"start another --out (--init_head {out / 'head'} starts from this head)")
         try:
             head.load_state_dict(state["head"])
         except RuntimeError:
@@ -823,7 +850,7 @@ def fit(args):
         log.append({"step": step, "loss": loss.item(), "acc": acc})
         if rank == 0 and (step % args.save_every == 0 or step == total_steps):
             torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "rng": torch.get_rng_state()}, tmp := out / ".train_state.pt.tmp")
+                        "rng": torch.get_rng_state(), "run": run_settings}, tmp := out / ".train_state.pt.tmp")
             os.replace(tmp, state_path)
             save_head(head, out / "head", target_info(target), {"trained_steps": step, "checkpoint": str(checkpoint)})
     bar.close()
@@ -848,7 +875,7 @@ def fit(args):
             summary["val_tau_dynamic"] = round(validation_tau(head, target, val_seqs, set(
                 target.checkpoint_config.get("stop_token_ids", [])), args.eval_prompts), 3)
             head.train()
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
         print("summary: " + json.dumps(summary), file=sys.stderr)
     if distributed:
         finish_distributed()  # ends the process (gloo's threads can abort it in the interpreter's teardown)

@@ -140,6 +140,18 @@ def test_is_validation_is_stable_and_near_the_fraction():
     assert not any(train.is_validation(i, 0.0) for i in ids)
     # a larger fraction only adds ids: the validation set of a run is never moved to training by another
     assert all(train.is_validation(i, 0.3) for i, v in zip(ids, first) if v)
+    # ShareGPT's pieces of one conversation ("ID_0", "ID_15", ...) stay on one side of the split
+    assert all(train.is_validation(f"{i}_0", 0.1) == train.is_validation(f"{i}_{k}", 0.1) == train.is_validation(i, 0.1)
+               for i in ids[:300] for k in (1, 15, 23))
+
+
+def test_a_shorter_pass_leaves_its_last_shard_to_be_redone(tmp_path):
+    path = tmp_path / "shard_00002.safetensors"
+    assert not train.shard_done(path, 50)
+    train.atomic_save({"tokens": torch.zeros(3)}, path, metadata={"conversations": "50"})
+    assert train.shard_done(path, 50) and not train.shard_done(path, 100)  # a longer pass fills it up
+    train.atomic_save({"tokens": torch.zeros(3)}, path)  # written before the count was kept: done
+    assert train.shard_done(path, 100)
 
 
 # ---------------------------------------------------------------- tokenization and masks
@@ -200,6 +212,9 @@ def test_batches_for_epoch_deterministic_disjoint_full():
         assert len(batches) == 103 // 8 and all(len(b) == 8 for b in batches)
         assert len(set(flat)) == len(flat) and set(flat) <= set(range(103))
     assert train.batches_for_epoch(lengths[:5], 8, 0, seed=0) == []
+    # the sequences left out of an epoch's batches are random ones, not always the longest
+    longest = max(range(103), key=lambda i: lengths[i])
+    assert any(longest in {i for b in train.batches_for_epoch(lengths, 8, e, seed=3) for i in b} for e in range(8))
 
 
 def random_seq(n, dim=6, g=None):
@@ -558,6 +573,10 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tmp_path):
     assert f"resumed from step {saved}" in resumed.stderr
     assert torch.load(state_path, weights_only=True)["step"] == total
     assert_same_weights(head_weights(out), head_weights(full))
+    # a resume with other settings would cut other batches and another schedule from the same step: refused
+    proc = subprocess.run([sys.executable, "train.py", "fit", "--out", str(out), *args, "--lr", "0.5", "--resume"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "continues a run started with --lr 0.001" in proc.stderr, proc.stderr[-500:]
 
 
 @pytest.mark.slow
