@@ -33,8 +33,11 @@ AVX-512-BF16 build's 16-row layouts wherever they run, the AVX2 builds included 
 bits. EAGLE_KERNELS=avx2, avx512 or avx512_bf16 forces
 a lower one (tests run each here), EAGLE_KERNELS=off turns the C++ off. It is built at first use with torch's cpp_extension
 (the C++ compiler torch.compile already needs on CPU; about a minute, then cached in ~/.cache/torch_extensions).
-Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the
-pure-PyTorch fallback runs: each row on its own through F.linear, so its rows too are the same whatever M is.
+Where it cannot build, or for what it does not take (CUDA, float16, M > MAX_M, K not a multiple of 32), the model
+runs plain PyTorch (model.linear's F.linear, SDPA or model.small_attention): greedy EAGLE equals plain decoding
+in fp32 there (the tests' tiny models run unpacked), but in bf16 a multi-row product may round otherwise than one
+row's, so greedy EAGLE can part from plain decoding there (the benchmark's "= plain" column says so).
+linear_reference and attention_reference below are what the tests compare the C++ with.
 
     torch.ops.eagle_fast.linear(x, w, scales, offsets, bias, residual=None)
         x (M, K) float32 or bfloat16; w (N, K) in x's dtype, or int8 with scales (N,) (w = q * scale; the AVX2
@@ -3505,9 +3508,13 @@ def load() -> bool:
     if _state["loaded"] is not None:
         return _state["loaded"]
     _state["loaded"] = False
-    if os.environ.get("EAGLE_KERNELS") == "off":
+    forced = os.environ.get("EAGLE_KERNELS", "")
+    if forced == "off":
         _state["why"] = "EAGLE_KERNELS=off"
         return False
+    if forced not in ("", "avx2", "avx2_vnni", "avx512", "avx512_bf16", "amx"):  # (the C++ would run its best)
+        print(f"kernels.py: EAGLE_KERNELS={forced!r} is none of off, avx2, avx2_vnni, avx512, avx512_bf16, amx: "
+              "ignored, the best build for this CPU runs", file=sys.stderr)
     try:
         from torch.utils.cpp_extension import load_inline
         with warnings.catch_warnings():
@@ -3523,6 +3530,7 @@ def load() -> bool:
         return False
     if _state["isa"] < 1:
         _state["why"] = "this CPU has no AVX2"
+        print("kernels.py: this CPU has no AVX2 (and FMA); using the slower PyTorch fallback", file=sys.stderr)
         return False
     # the ops' C functions (c_shims) in the global scope, where a compiled launcher finds them when it is loaded
     try:
@@ -3908,5 +3916,5 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor
     H, n_kv = q.shape[1], k.shape[1]
     k, v = (t.float().repeat_interleave(H // n_kv, dim=1) for t in (k, v))
     scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)  # a row seeing no slot: 0
     return (probs @ v).to(q.dtype)

@@ -57,6 +57,8 @@ def fetch(repo_id, local_dir, token=None) -> Path:
         raise DownloadError(f"could not reach the Hugging Face Hub for {repo_id}: {first_line(e)}") from None
     except (errors.HfHubHTTPError, OSError) as e:  # timeouts, server errors, disk full
         raise DownloadError(f"downloading {repo_id} failed: {first_line(e)}") from None
+    except Exception as e:  # the Hub client's HTTP library's own errors (a bad proxy, a dropped connection)
+        raise DownloadError(f"downloading {repo_id} failed: {type(e).__name__}: {first_line(e)}") from None
     return Path(local_dir)
 
 

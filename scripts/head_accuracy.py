@@ -70,6 +70,10 @@ def main():
             heads[d] = load_head(d, target, "cpu", torch.float32)
         except (FileNotFoundError, ValueError, KeyError) as e:
             die(f"{d}: {e}")
+        fed = tuple(default_feature_layers(target.config.n_layer))  # the layers extract --fused stores
+        if not isinstance(heads[d], EagleHead) and tuple(heads[d].feature_layers) != fed:
+            die(f"{d} reads target layers {list(heads[d].feature_layers)}; the features scored here are layers "
+                f"{list(fed)}")
     try:  # the fused features only where an EAGLE-3 head reads them (three quarters of a --fused shard's bytes)
         val = (load_features(args.run, fused=any(not isinstance(h, EagleHead) for h in heads.values()))[1]
                if args.run else benchmark_sequences(args.replies, target, checkpoint))

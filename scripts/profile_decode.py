@@ -49,6 +49,9 @@ def main():
         gen.die("--prefix, --steps and --top must be at least 1")
     model = gen.load_model_or_die(args.checkpoint, "cpu", DTYPES[args.dtype], args.quant)
     gen.setup_caches_or_die(model, 1, args.prefix + args.steps + 8, f"--prefix {args.prefix} and --steps {args.steps}")
+    if not args.no_compile and not gen.compiler_found("cpu"):
+        print("no C++ compiler found (g++, c++ or clang++; $CXX): profiling eager steps", file=sys.stderr)
+        args.no_compile = True
     if not args.no_compile:
         gen.compile_steps(cpp_wrapper=args.cpp_wrapper)  # as generate.py compiles it
     step = gen.decode_one_token

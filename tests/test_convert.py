@@ -552,7 +552,8 @@ def test_download_errors(tmp_path, monkeypatch, capsys):
     cases = [(hub_error(errors.GatedRepoError, "401 gated\nmore"), "gated"),
              (hub_error(errors.RepositoryNotFoundError, "404\nmore"), "not found"),
              (errors.LocalEntryNotFoundError("Got: ConnectError: no network\nAn error happened"), "could not reach"),
-             (ConnectionError("connection reset"), "connection reset")]
+             (ConnectionError("connection reset"), "connection reset"),
+             (type("ProxyError", (Exception,), {})("bad proxy"), "ProxyError: bad proxy")]  # the HTTP library's own
     for error, words in cases:
         monkeypatch.setattr(dl, "snapshot_download", failing(error))
         assert_cli_error(dl.main, ["--repo_id", "meta-llama/Llama-3.2-1B", "--out", out], capsys, words)

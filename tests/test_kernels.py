@@ -725,3 +725,10 @@ def test_int4i_on_amx_runs_the_int8_weights_it_stands_for():
     assert torch.equal(kernels.linear(x[5:6], packed, None, scales), y[5:6])  # a row alone is that row
     with pytest.raises(RuntimeError, match="weight does not match x"):
         kernels.linear(x[:1, :512].contiguous(), packed, None, scales)
+
+
+def test_an_unknown_forced_build_is_said_not_silently_ignored():
+    env = {**os.environ, "EAGLE_KERNELS": "avx512bf16"}  # a typo of avx512_bf16
+    proc = subprocess.run([sys.executable, "-c", "import kernels; kernels.load()"], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0 and "EAGLE_KERNELS='avx512bf16' is none of off, avx2" in proc.stderr, proc.stderr
