@@ -25,10 +25,16 @@ def test_eagle3_drafts_are_verified_losslessly(kind, kw, extra_layers):
     model = make_tiny_model()
     drafter = Drafter(random_head(model, seed=1, kind="eagle3", draft_vocab_size=48, extra_layers=extra_layers),
                       kind, **kw)
+    drafted, original = [], drafter.draft
+    drafter.draft = lambda h_root, L: drafted.append(original(h_root, L)) or drafted[-1]
     for prompt in ([1, 2, 3, 4, 5], list(range(30, 60))):
         plain, _ = greedy(model, prompt)
         spec, stats = greedy(model, prompt, draft=drafter)
         assert spec == plain and stats["verify_forwards"] < len(plain)
+    # every drafted token is a draft-vocabulary id mapped to the target's (id + d2t[id]), never a raw draft id
+    mapped = set(drafter.head.to_target(torch.arange(48)).tolist())
+    tokens = {t for nodes, _ in drafted for t in nodes.tolist()}
+    assert tokens and tokens <= mapped and not tokens <= set(range(48))
 
 
 def test_eagle3_reads_three_target_features_and_maps_draft_ids():
