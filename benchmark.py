@@ -357,8 +357,8 @@ def main(argv=None):
     if args.limit < 0:
         die("--limit must be 0 (all) or more")
     for flag, path in (("--out", args.out), ("--plot", args.plot)):  # written after the whole run: checked first
-        if path is not None and (path.is_dir() or not path.parent.is_dir()):
-            die(f"{flag} {path}: not a file in an existing directory")
+        if (msg := gen.output_path_error(flag, path)) is not None:
+            die(msg)
     try:
         specs = [m.strip() for m in args.methods.split(",") if m.strip()]
         methods = {}

@@ -689,6 +689,13 @@ def check_device(name: str):
     return None
 
 
+def output_path_error(flag: str, path):
+    """A file written after the work (metrics, results, plots), checked before it: one message, or None."""
+    if path is not None and (Path(path).is_dir() or not Path(path).parent.is_dir()):
+        return f"{flag} {path}: not a file in an existing directory"
+    return None
+
+
 def check_args(args):
     """Every bad input becomes one clear message (and exit code 2), before any work is done."""
     if args.dtype not in DTYPES and args.dtype != "auto":
@@ -711,8 +718,8 @@ def check_args(args):
         return f"--top_k must be at least 1, got {args.top_k}"
     if args.max_seq_length is not None and args.max_seq_length < 2:
         return f"--max_seq_length must be at least 2, got {args.max_seq_length}"
-    if args.metrics_json is not None and (args.metrics_json.is_dir() or not args.metrics_json.parent.is_dir()):
-        return f"--metrics-json {args.metrics_json}: not a file in an existing directory"
+    if (msg := output_path_error("--metrics-json", args.metrics_json)) is not None:
+        return msg
     stray = [flag for flag, tree in FLAG_TREE.items() if tree != args.tree and getattr(args, flag) is not None]
     if stray:
         return f"--{stray[0]} is a --tree {FLAG_TREE[stray[0]]} flag, but this run drafts --tree {args.tree}"

@@ -327,8 +327,8 @@ def main(argv=None):
     out = args.out or ROOT / "gpu_check.json"
     doc = args.doc or (ROOT / "gpu_check.md" if device.type == "cuda" else None)
     for flag, path in (("--out", args.out), ("--doc", args.doc)):  # saved after every stage: checked first
-        if path is not None and (path.is_dir() or not path.parent.is_dir()):
-            print(f"error: {flag} {path}: not a file in an existing directory", file=sys.stderr)
+        if (msg := gen.output_path_error(flag, path)) is not None:
+            print(f"error: {msg}", file=sys.stderr)
             return 2
 
     def save():  # after every stage: a run cut short still leaves what it measured
