@@ -174,6 +174,7 @@ struct Lin {
   int64_t n_base = 0;      // the first row of the weights at w (a dequantized block's buffer starts at its block)
   int64_t ahead_lines = 0; // cache lines of the weight stream one 32-column step reads, prefetched ahead (0: none)
   bool int4i = false;      // int4i in tall blocks (pack_int4i): int8 weights q * nibble + z, stored as nibbles
+  bool half_groups = false;  // int4 in tall blocks: scales and offsets in fp16 (tile_groups, where all are exact)
   uint16_t* wbuf = nullptr;  // run_dequantized: where a block's weights converted to bf16 go (64-byte aligned)
   const char* row(int64_t n, int64_t kb) const {  // row n's 32 columns from column 32 * kb
     n -= n_base;
@@ -380,6 +381,12 @@ inline void finish4x4(const Lin& a, int64_t m, int64_t n, __m512 v) {
 // plain AVX-512 (no FMA, no BF16): both the AMX code and KernelI8v16 / KernelI4v16 inline it
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+// a tall block's 16 scales (or offsets) of a group, element i of tile_groups' (N / 16, groups, 16): fp32, or fp16
+// where every one of them is exact in it (the same values, half the bytes a one-row step streams for them)
+__attribute__((always_inline)) inline __m512 group16(const float* p, int64_t i, bool half) {
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i))) : _mm512_loadu_ps(p + i);
+}
+
 // one (row, group) of int4 sums into its accumulator: the group's exact integer dot product (256 hi + lo, hi and lo
 // the sums of the high and the low bytes' products) times the scale, plus the offset times the group's sum of x;
 // every int4 path in tall blocks (the AMX tiles, KernelI4v16) adds its groups through this, in group order, so
@@ -660,8 +667,7 @@ struct KernelI4v16 {
   static void block(const Lin& a, int64_t m0, int64_t n0, const int32_t* xw, const float* xsum) {
     const int64_t per = a.G / 32, step = 2 * a.M;  // 32-column steps a group; words from 4 columns to the next
     const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
-    const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
-    const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+    const int64_t gb = (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales and offsets from here
     const __m512i nibble = _mm512_set1_epi8(15);
     __m512 c0, c1, c2, c3, c4;
     __m512i h0, l0, h1, l1, h2, l2, h3, l3, h4, l4;
@@ -687,10 +693,11 @@ struct KernelI4v16 {
 #undef I4_PAIR
           x += step, y += step;
         }
-        __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+        __m512 sc = group16(a.scales, gb + 16 * g, a.half_groups), of = group16(a.offsets, gb + 16 * g, a.half_groups);
 #define I4_GROUP(i, hh, ll, gg) if (MB > i) c##i = add_group(c##i, hh, ll, sc, of, xsum[(m0 + i) * a.groups + gg]);
         I4_GROUP(0, h0, l0, g) I4_GROUP(1, h1, l1, g) I4_GROUP(2, h2, l2, g) I4_GROUP(3, h3, l3, g) I4_GROUP(4, h4, l4, g)
-        sc = _mm512_loadu_ps(bsc + 16 * (g + 1)), of = _mm512_loadu_ps(bof + 16 * (g + 1));
+        sc = group16(a.scales, gb + 16 * (g + 1), a.half_groups);
+        of = group16(a.offsets, gb + 16 * (g + 1), a.half_groups);
         I4_GROUP(0, g0, k0, g + 1) I4_GROUP(1, g1, k1, g + 1) I4_GROUP(2, g2, k2, g + 1) I4_GROUP(3, g3, k3, g + 1)
         I4_GROUP(4, g4, k4, g + 1)
 #undef I4_GROUP
@@ -720,7 +727,8 @@ struct KernelI4v16 {
           }
         }
         if (MB == 1) h0 = _mm512_add_epi32(h0, h1), l0 = _mm512_add_epi32(l0, l1);
-        const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+        const __m512 sc = group16(a.scales, gb + 16 * g, a.half_groups);
+        const __m512 of = group16(a.offsets, gb + 16 * g, a.half_groups);
 #define I4_GROUP(i) if (MB > i) c##i = add_group(c##i, h##i, l##i, sc, of, xsum[(m0 + i) * a.groups + g]);
         I4_GROUP(0) I4_GROUP(1) I4_GROUP(2) I4_GROUP(3) I4_GROUP(4)
 #undef I4_GROUP
@@ -748,8 +756,7 @@ struct KernelI4a8 {
     constexpr int P = MB <= 8 ? 2 : 1, CH = MB == 1 ? 2 : 1;  // groups a pass over the lines; chains a group and row
     const int64_t M = a.M;
     const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
-    const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
-    const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+    const int64_t gb = (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales and offsets from here
     const __m512i nibble = _mm512_set1_epi8(15);
     alignas(64) float c[MB][16] = {};
     __m512i s[P][CH][MB];
@@ -782,7 +789,8 @@ struct KernelI4a8 {
       if (P == 2) x += 8 * M;  // past the high group's words
 #pragma GCC unroll 2
       for (int q = 0; q < P; q++) {
-        const __m512 sc = _mm512_loadu_ps(bsc + 16 * (g + q)), of = _mm512_loadu_ps(bof + 16 * (g + q));
+        const __m512 sc = group16(a.scales, gb + 16 * (g + q), a.half_groups);
+        const __m512 of = group16(a.offsets, gb + 16 * (g + q), a.half_groups);
 #pragma GCC unroll 24
         for (int i = 0; i < MB; i++) {
           const __m512i sum = CH == 2 ? _mm512_add_epi32(s[q][0][i], s[q][CH - 1][i]) : s[q][0][i];
@@ -1408,8 +1416,7 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
   alignas(64) int32_t sums[2][2][16][16];  // two pairs' sums
   __m512 acc[C];
   for (int m = 0; m < C; m++) acc[m] = _mm512_setzero_ps();
-  const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
-  const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+  const int64_t gb = (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales and offsets from here
   auto prepare = [&](int64_t g0, uint8_t (*dst)[8][512]) {
     for (int j = 0; j < 2 && g0 + j < a.groups; j++)
       for (int64_t s = 0; s < per; s++) {
@@ -1422,7 +1429,8 @@ inline void amx_i4_panel(const Lin& a, const int8_t* xb, const float* xsum, int6
   auto scale = [&](int64_t g0, int J) {
     for (int j = 0; j < J; j++) {
       const int64_t g = g0 + j;
-      const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+      const __m512 sc = group16(a.scales, gb + 16 * g, a.half_groups);
+      const __m512 of = group16(a.offsets, gb + 16 * g, a.half_groups);
       for (int m = 0; m < C; m++)
         acc[m] = add_group(acc[m], sums[(g0 / 2) & 1][j][m], sums[(g0 / 2) & 1][j][C + m], sc, of, xsum[m * a.groups + g]);
     }
@@ -1492,8 +1500,7 @@ inline void amx_i4_pairs(const Lin& a, const int8_t* xp, const float* xsum, int6
   alignas(64) int32_t sums[2][16][16];
   __m512 acc[C];
   for (int m = 0; m < C; m++) acc[m] = _mm512_setzero_ps();
-  const float* bsc = a.scales + (n0 / 16) * a.groups * 16;
-  const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+  const int64_t gb = (n0 / 16) * a.groups * 16;
   auto prepare = [&](int64_t p, uint8_t* dst) {
     const char* src = w + p * 512;
     for (int l = 0; l < 8; l++) _mm_prefetch(src + PREFETCH_AHEAD + 64 * l, _MM_HINT_T1);
@@ -1506,7 +1513,8 @@ inline void amx_i4_pairs(const Lin& a, const int8_t* xp, const float* xsum, int6
   auto scale = [&](int64_t p) {
     for (int j = 0; j < 2; j++) {
       const int64_t g = 2 * p + j;
-      const __m512 sc = _mm512_loadu_ps(bsc + 16 * g), of = _mm512_loadu_ps(bof + 16 * g);
+      const __m512 sc = group16(a.scales, gb + 16 * g, a.half_groups);
+      const __m512 of = group16(a.offsets, gb + 16 * g, a.half_groups);
       for (int m = 0; m < C; m++)
         acc[m] = add_group(acc[m], sums[p & 1][2 * C * j + m], sums[p & 1][2 * C * j + C + m], sc, of,
                            xsum[m * a.groups + g]);
@@ -1568,8 +1576,8 @@ inline void amx_i4_wide(const Lin& a, const int8_t* hi, const uint8_t* lo, const
     if (g + 1 < a.groups) prepare(g + 1, bt[(g & 1) ^ 1]);
     __m512 sc[NB], of[NB];
     for (int b = 0; b < NB; b++) {
-      sc[b] = _mm512_loadu_ps(a.scales + ((n0 / 16 + b) * a.groups + g) * 16);
-      of[b] = _mm512_loadu_ps(a.offsets + ((n0 / 16 + b) * a.groups + g) * 16);
+      sc[b] = group16(a.scales, ((n0 / 16 + b) * a.groups + g) * 16, a.half_groups);
+      of[b] = group16(a.offsets, ((n0 / 16 + b) * a.groups + g) * 16, a.half_groups);
     }
     for (int64_t pn = 0; pn < panels; pn++) {
       const int64_t m0 = pn * cols;
@@ -2269,6 +2277,11 @@ void quantize_groups8_256(const E* x, int64_t M, int64_t K, int32_t* xw, float* 
 // both halves of a line (weight rows 0-7 and 8-15) in one pass; up to 5 a group at a time (the line read again for
 // the odd group, from L1), both halves with one broadcast of x; more one half at a time (8 rows a pass, one sum a
 // row). Both groups and halves at 5 rows spilled sums (1.86x one row's time there)
+// group16's 8 values from element i, on AVX2 (F16C)
+__attribute__((always_inline)) inline __m256 group8(const float* p, int64_t i, bool half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))) : _mm256_loadu_ps(p + i);
+}
+
 struct KernelI4a8x256 {
   static constexpr int MOST = 8;
   template <int MB>
@@ -2276,8 +2289,7 @@ struct KernelI4a8x256 {
     constexpr int P = MB <= 2 ? 2 : 1, H = MB <= 5 ? 2 : 1;  // groups and halves a pass
     const int64_t M = a.M;
     const char* w = a.w + (n0 / 16) * (a.K / 64) * 512;
-    const float* bsc = a.scales + (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales, offsets
-    const float* bof = a.offsets + (n0 / 16) * a.groups * 16;
+    const int64_t gb = (n0 / 16) * a.groups * 16;  // the block's (groups, 16) scales and offsets from here
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     alignas(32) float c[MB][16] = {};
     for (int64_t g = 0; g < a.groups; g += P) {
@@ -2317,7 +2329,8 @@ struct KernelI4a8x256 {
 #pragma GCC unroll 2
           for (int h = 0; h < H; h++) {
             const int o = 8 * (h0 + h);
-            const __m256 sc = _mm256_loadu_ps(bsc + 16 * (g + q) + o), of = _mm256_loadu_ps(bof + 16 * (g + q) + o);
+            const __m256 sc = group8(a.scales, gb + 16 * (g + q) + o, a.half_groups);
+            const __m256 of = group8(a.offsets, gb + 16 * (g + q) + o, a.half_groups);
 #pragma GCC unroll 8
             for (int i = 0; i < MB; i++) {
               const int64_t at = (g + q) * M + m0 + i;
@@ -2450,9 +2463,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.int4i = int4i;
   at::Tensor sc, of, bs;
   if (scales) {
-    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32");
+    TORCH_CHECK((scales->scalar_type() == at::kFloat || (offsets && scales->dim() == 3 && scales->scalar_type() == at::kHalf))
+                && scales->is_contiguous(), "eagle_fast::linear: scales must be contiguous fp32 (int4's tiled ones fp16 too)");
     sc = *scales;
-    a.scales = sc.data_ptr<float>();
+    a.scales = (const float*)sc.data_ptr();  // fp16 where half_groups
   }
   // int4 in tall blocks: the AMX tiles (run_amx_i4), or KernelI4v16 on AVX-512 VNNI without AMX
   const bool tall = w.size(2) == 16, amx_i8 = wt == W_I8 && tall && !i8v16, tall_i4 = wt == W_I4 && tall;
@@ -2461,19 +2475,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const bool int8_vnni = wt == W_I8 && level == AVX512BF16;
   if (offsets) {
     // (N, groups), or for tall int4 blocks also (N / 16, groups, 16): each block's scales for a group side by side
-    const bool tiled = sc.dim() == 3;
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == sc.sizes() &&
+    // (tiled, they may be fp16: tile_groups keeps them so where every value is exact)
+    const bool tiled = sc.dim() == 3, half = tiled && sc.scalar_type() == at::kHalf;
+    TORCH_CHECK(offsets->scalar_type() == sc.scalar_type() && (half || sc.scalar_type() == at::kFloat) &&
+                offsets->is_contiguous() && offsets->sizes() == sc.sizes() &&
                 (tiled ? tall_i4 && sc.size(0) * 16 == N && sc.size(2) == 16 : sc.dim() == 2 && sc.size(0) == N) &&
                 K % sc.size(1) == 0 && (K / sc.size(1)) % 32 == 0,
                 "eagle_fast::linear: int4 scales and offsets must be fp32 (N, K / groupsize) (or tile_groups' "
-                "(N / 16, K / groupsize, 16) for tall blocks), groupsize a multiple of 32");
+                "(N / 16, K / groupsize, 16) for tall blocks, fp32 or fp16), groupsize a multiple of 32");
     of = *offsets;
+    a.half_groups = half;
     if (tall_i4 && !tiled) {  // the tiles read a block's 16 scales of a group at once: laid out so, for this call
       sc = sc.view({N / 16, 16, sc.size(1)}).transpose(1, 2).contiguous();
       of = of.view({N / 16, 16, of.size(1)}).transpose(1, 2).contiguous();
       a.scales = sc.data_ptr<float>();
     }
-    a.offsets = of.data_ptr<float>();
+    a.offsets = (const float*)of.data_ptr();  // fp16 where half_groups
     a.groups = sc.size(1);
     a.G = K / a.groups;
     while ((int64_t(1) << a.gshift) < a.G) a.gshift++;
@@ -3745,13 +3762,19 @@ def pack_int4i(nibbles: Tensor, steps: Tensor, bases: Tensor) -> Tensor:
     return torch.cat([tiles, qz], dim=-1).view(N // 16, K // 64, 16, 36)
 
 
-def tile_groups(t: Tensor, packed: Tensor) -> Tensor:
-    """int4 scales or offsets (N, G) in the layout the tall blocks read, (N / 16, G, 16): a block's 16 values for a
-    group side by side, one vector load (gathered from 16 rows, they cost 11% of the int4 linears at one row); as
-    they are for other weights. The op takes either; the tiled form saves a transpose a call."""
+def tile_groups(scales: Tensor, offsets: Tensor, packed: Tensor) -> tuple:
+    """int4 fp32 scales and offsets (N, G) in the layout the tall blocks read, (N / 16, G, 16): a block's 16 values
+    for a group side by side, one vector load (gathered from 16 rows, they cost 11% of the int4 linears at one row);
+    as they are for other weights. The op takes either; the tiled form saves a transpose a call. Tiled, they are
+    fp16 where every scale and offset is exact in it (a checkpoint from Q4_1 blocks, whose d and m are fp16, and
+    quantize_int4's): the same values in half the bytes, which a one-row step streams beside the nibbles (with
+    groups of 32, 2 bytes a group instead of 4 each: the linears 0.90x the time at 1 and 5 rows on a Zen 4)."""
     if packed.dtype != torch.uint8 or packed.shape[2] != 16:
-        return t
-    return t.view(t.shape[0] // 16, 16, t.shape[1]).transpose(1, 2).contiguous()
+        return scales, offsets
+    tiled = [t.float().view(t.shape[0] // 16, 16, t.shape[1]).transpose(1, 2).contiguous() for t in (scales, offsets)]
+    if all(torch.equal(t.half().float(), t) for t in tiled):
+        tiled = [t.half() for t in tiled]
+    return tuple(tiled)
 
 
 def plain_groups(t: Tensor) -> Tensor:
@@ -3796,7 +3819,7 @@ def packed_rows(packed: Tensor, idx: Tensor) -> Tensor:
 def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None, offsets: Tensor = None,
            residual: Tensor = None, act_bits: int = 16) -> Tensor:
     """x (..., K) @ W.T (+ bias) for a packed weight: float in x's dtype, int8 with fp32 scales (N,), or int4 nibbles
-    with fp32 scales and offsets (N, K/G, or tile_groups'), w = q * scale + offset. Any number of rows; each row is computed the
+    with fp32 scales and offsets (N, K/G; or tile_groups', fp32 or fp16), w = q * scale + offset. Any number of rows; each row is computed the
     same way whatever the number. residual (..., N): residual + that, as eager rounds it (the output in x's dtype,
     then the sum), written by the op itself: a block's residual stream then exists once, where a compiled graph had
     each norm re-add the stream's last 3-4 terms. act_bits 8: int4 groups of 32 in tall blocks with x rounded to 8

@@ -71,15 +71,24 @@ def dequantize_int8(q, scales):
 def quantize_int4(w, groupsize: int):
     """Affine per group of `groupsize` input columns: q in 0..15 spans the group's [min, max], so the error per
     weight is at most that group's scale / 2. The zero is stored as min + 8 * scale because torch's int4 kernels
-    compute (q - 8) * scale + zero (checked numerically in tests/test_quantize.py and at every load)."""
+    compute (q - 8) * scale + zero (checked numerically in tests/test_quantize.py and at every load). The scale and
+    the min are rounded to fp16 first (as Q4_1's d and m are fp16; 2^-11 of a scale): kernels.py's tall blocks then
+    read them in half the bytes."""
     N, K = w.shape
     if K % groupsize:
         raise QuantizeError(f"groupsize {groupsize} does not divide the input dim {K}")
     g = w.float().reshape(N, K // groupsize, groupsize)
     lo, hi = g.amin(-1), g.amax(-1)
-    scales = (hi - lo).clamp(min=1e-8) / 15
+    scales = fp16_grid((hi - lo).clamp(min=15 * 2.0 ** -24) / 15)  # (the smallest scale fp16 holds: 2^-24)
+    lo = fp16_grid(lo)
     q = (g - lo[..., None]).div_(scales[..., None]).round_().clamp_(0, 15).to(torch.uint8)
     return q.reshape(N, K), scales, lo + 8 * scales
+
+
+def fp16_grid(t):
+    """fp32 t rounded to fp16's values where fp16 holds them (not beyond its range), else as it is."""
+    r = t.half().float()
+    return torch.where(r.isfinite() & ((r != 0) | (t == 0)), r, t)
 
 
 def quantize_int4i(w):
@@ -288,8 +297,8 @@ class Int4Linear(nn.Module):
                 # w = (q - 8) * scale + zero = q * scale + offset, in fp32
                 offsets = zeros.float() - 8 * scales.float()
                 self.layout, self.weight = "packed", kernels.pack(saved, self.act_bits)
-                self.scales = kernels.tile_groups(scales.float().contiguous(), self.weight)
-                self.register_buffer("offsets", kernels.tile_groups(offsets.contiguous(), self.weight))
+                self.scales, tiled_offsets = kernels.tile_groups(scales.float(), offsets, self.weight)
+                self.register_buffer("offsets", tiled_offsets)
             else:
                 self.scales, self.zeros = scales.to(dtype), zeros.to(dtype)
                 packed, sz = _pack_int4(unpack_nibbles(saved), self.scales, self.zeros, device)

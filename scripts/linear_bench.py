@@ -27,8 +27,7 @@ def weight(kind, N, K, act_bits=16):
     if kind == "int4":
         packed = kernels.pack(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8), act_bits)
         # the scales and offsets laid out as quantize.py stores them (as the tiles read them on AMX)
-        return (packed, kernels.tile_groups(torch.rand(N, K // 32) / 15, packed),
-                kernels.tile_groups(-torch.rand(N, K // 32), packed))
+        return (packed, *kernels.tile_groups(torch.rand(N, K // 32) / 15, -torch.rand(N, K // 32), packed))
     if kind == "int8":
         return kernels.pack(torch.randint(-127, 128, (N, K), dtype=torch.int8), act_bits), torch.rand(N) / 127, None
     return kernels.pack(torch.randn(N, K).bfloat16() / K ** 0.5), None, None

@@ -264,12 +264,24 @@ def test_int4_in_tall_blocks_sums_rows_rounded_to_16_bits(G):
         torch.testing.assert_close(kernels.linear(x[:M], packed, None, scales, offsets), y[:M], rtol=0, atol=0,
                                    equal_nan=True, msg=f"M={M}")
     # the scales and offsets laid out as the tiles read them (what quantize.py keeps): the same outputs
-    tiled_scales, tiled_offsets = kernels.tile_groups(scales, packed), kernels.tile_groups(offsets, packed)
+    tiled_scales, tiled_offsets = kernels.tile_groups(scales, offsets, packed)
     assert tiled_scales.shape == (N // 16, K // G, 16) and torch.equal(kernels.plain_groups(tiled_offsets), offsets)
-    assert tiled_scales[1, 2, 3] == scales[16 + 3, 2]
+    assert tiled_scales[1, 2, 3] == scales[16 + 3, 2] and tiled_scales.dtype == torch.float32  # not exact in fp16
     for M in (1, 5, 17):
         torch.testing.assert_close(kernels.linear(x[:M], packed, None, tiled_scales, tiled_offsets), y[:M], rtol=0,
                                    atol=0, equal_nan=True, msg=f"tiled, M={M}")
+    # values exact in fp16 (as a Q4_1 checkpoint's) are tiled as fp16 and give the outputs of their fp32 selves
+    s16, o16 = scales.half().float(), offsets.half().float()
+    half_scales, half_offsets = kernels.tile_groups(s16, o16, packed)
+    assert half_scales.dtype == half_offsets.dtype == torch.float16
+    assert torch.equal(kernels.plain_groups(half_offsets).float(), o16)
+    y16 = kernels.linear(x[:17], packed, None, s16, o16)
+    assert not torch.equal(y16[0], y[0])  # (the rounded values are other weights)
+    for M in (1, 2, 5, 9, 17):
+        torch.testing.assert_close(kernels.linear(x[:M], packed, None, half_scales, half_offsets), y16[:M], rtol=0,
+                                   atol=0, equal_nan=True, msg=f"fp16, M={M}")
+    with pytest.raises(RuntimeError, match="fp32 or fp16"):  # one in fp16, the other fp32
+        kernels.linear(x[:1], packed, None, half_scales, tiled_offsets)
     torch.testing.assert_close(kernels.linear_reference(x[:5], packed, None, tiled_scales, tiled_offsets),
                                kernels.linear_reference(x[:5], packed, None, scales, offsets), rtol=0, atol=0,
                                equal_nan=True)
@@ -295,7 +307,7 @@ def test_int4_with_8_bit_activations_matches_x_rounded_to_bytes():
     x[1] = -1.0  # every product of row 1 and weight row 0 at its largest: q = -127
     x[2, 64:96], x[3, 7], x[4, 9] = 0.0, float("nan"), float("inf")
     packed = kernels.pack(nibbles, act_bits=8)
-    tiled_scales, tiled_offsets = kernels.tile_groups(scales, packed), kernels.tile_groups(offsets, packed)
+    tiled_scales, tiled_offsets = kernels.tile_groups(scales, offsets, packed)
     assert kernels.a8_takes(packed, tiled_scales) and kernels.a8_takes(packed, scales)
     q, s = kernels.round_groups8(x)
     assert q.abs().max() <= 127 and torch.equal(q, q.round()) and (q[0].view(-1, 32).abs().amax(-1) == 127).all()
@@ -322,6 +334,14 @@ def test_int4_with_8_bit_activations_matches_x_rounded_to_bytes():
     yb = kernels.linear(xb, packed, None, tiled_scales, tiled_offsets, act_bits=8)
     assert yb.dtype == torch.bfloat16 and torch.equal(yb[6:], kernels.linear(xb[6:], packed, None, scales, offsets,
                                                                                 act_bits=8))
+    # scales and offsets exact in fp16, tiled so: the outputs of their fp32 selves, every M
+    s16, o16 = scales.half().float(), offsets.half().float()
+    half_scales, half_offsets = kernels.tile_groups(s16, o16, packed)
+    assert half_scales.dtype == torch.float16 and kernels.a8_takes(packed, half_scales)
+    y16 = kernels.linear(x, packed, None, s16, o16, act_bits=8)
+    for M in (1, 2, 5, 9, 17, 25):
+        torch.testing.assert_close(kernels.linear(x[:M], packed, None, half_scales, half_offsets, act_bits=8), y16[:M],
+                                   rtol=0, atol=0, equal_nan=True, msg=f"fp16, M={M}")
     # groups of 64: not taken, one error
     assert not kernels.a8_takes(packed, scales[:, ::2].contiguous())
     with pytest.raises(RuntimeError, match="8-bit activations"):
@@ -642,8 +662,10 @@ p4, p8 = kernels.pack(nibbles, act_bits=8), kernels.pack(q, act_bits=8)
 y = []
 for m in (1, 2, 5, 6, 9, 17):
     for xm in (x[:m], x[:m].bfloat16()):
-        s4, o4 = kernels.tile_groups(scales, p4), kernels.tile_groups(offsets, p4)
-        y += [kernels.linear(xm, p4, None, s4, o4, act_bits=8), kernels.linear(xm, p8, None, qs, None, act_bits=8)]
+        s4, o4 = kernels.tile_groups(scales, offsets, p4)
+        h4, f4 = kernels.tile_groups(scales.half().float(), offsets.half().float(), p4)  # fp16
+        y += [kernels.linear(xm, p4, None, s4, o4, act_bits=8), kernels.linear(xm, p8, None, qs, None, act_bits=8),
+              kernels.linear(xm, p4, None, h4, f4, act_bits=8)]
 torch.save({"isa": kernels.isa(), "y": y}, sys.argv[1])
 """
 
@@ -663,11 +685,12 @@ def outputs_of_builds(script, isas, tmp_path) -> dict:
 
 def test_avx2_8_bit_activations_equal_avx512s_bit_for_bit(tmp_path):
     """The .a8 kernels of the AVX2 build (KernelI4a8x256, KernelI8a8x256) sum the same integers a group and take the
-    same fp32 steps as the AVX-512-BF16 build's: the same bits at every M, fp32 and bf16 x."""
+    same fp32 steps as the AVX-512-BF16 build's: the same bits at every M, fp32 and bf16 x, int4's scales in fp32
+    and in fp16."""
     if RANK[kernels.isa()] < RANK["avx512_bf16"]:
         pytest.skip("needs a CPU that runs both builds (AVX-512-BF16)")
     out = outputs_of_builds(A8_OUTPUTS, ("avx2", "avx512_bf16"), tmp_path)
-    assert len(out["avx2"]["y"]) == 24
+    assert len(out["avx2"]["y"]) == 36  # int4 (fp32 and fp16 scales) and int8, 6 sizes, fp32 and bf16 x
     for a, b in zip(out["avx2"]["y"], out["avx512_bf16"]["y"]):
         assert torch.equal(a, b)
 

@@ -311,7 +311,13 @@ def test_generate_cli_quant_errors(tmp_path, capsys):
 def test_int4_falls_back_when_the_kernel_is_missing_or_fails(tmp_path, capsys, monkeypatch):
     ckpt = save_checkpoint(make_tiny_model(**WIDE), tmp_path / "ckpt")  # every input dim a multiple of 64
     Q.main(["--checkpoint", str(ckpt), "--mode", "int4"])
-    want = greedy(load_model(ckpt, quantization="int4.g32", pack=False), [1, 2, 3])
+
+    def logits(model):
+        model.setup_caches(1, 16)
+        with torch.no_grad():
+            return model(torch.arange(1, 11)[None], torch.arange(10))[0].float()
+
+    want = logits(load_model(ckpt, quantization="int4.g32", pack=False))
     capsys.readouterr()
 
     def broken(*args, **kwargs):
@@ -327,7 +333,9 @@ def test_int4_falls_back_when_the_kernel_is_missing_or_fails(tmp_path, capsys, m
         layers = [m for m in model.modules() if isinstance(m, Q.Int4Linear)]
         assert layers and all(m.layout == "dequant" for m in layers)
         assert "10 layers run without the packed kernel" in err and "dequantize in every forward" in err
-        assert greedy(model, [1, 2, 3]) == want  # same tokens as the kernel (fp32 model: bf16 kernel vs fp32)
+        # the kernel's logits to bf16's rounding (fp32 model: bf16 kernel vs fp32), and it generates
+        assert (logits(model) - want).abs().max() <= 0.02 * want.abs().max()
+        assert len(greedy(model, [1, 2, 3])) == 40
 
 
 def test_int4_kernel_that_disagrees_is_not_used(monkeypatch):
