@@ -117,6 +117,31 @@ def test_int4_cpu_kernel_matches_dequantized_matmul(K, groupsize, layout):
     assert (y - ref).abs().max() <= 0.01 * ref.abs().max()  # bf16 activations and scales: ~3 significant digits
 
 
+def test_int4_scales_are_fp16_values_and_packed_in_fp16():
+    """quantize_int4 rounds each group's scale and min to fp16 (as Q4_1 stores d and m), so the tall blocks read them
+    in fp16 (half the bytes, the same values: the same outputs); a file whose scales fp16 does not hold (an older
+    quantize.py's) keeps them in fp32, and its outputs are those of its own values."""
+    lin, layer = int4_layer(256, 64, 32)
+    offsets = layer.zeros - 8 * layer.scales
+    assert torch.equal(layer.scales.half().float(), layer.scales) and torch.equal(offsets.half().float(), offsets)
+    old = copy.deepcopy(layer)
+    old.scales = old.scales * (1 + 2.0 ** -20)  # off fp16's grid
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    want = {id(m): x.float() @ m.dequantize().t() for m in (layer, old)}
+    for m in (layer, old):
+        assert m.prepare(torch.bfloat16) is None
+        y = m(x).float()
+        assert (y - want[id(m)]).abs().max() <= 0.01 * want[id(m)].abs().max()
+    if layer.layout == "packed" and layer.weight.shape[2] == 16:  # tall blocks (AMX, AVX-512-BF16)
+        assert layer.scales.dtype == layer.offsets.dtype == torch.float16
+        assert old.scales.dtype == old.offsets.dtype == torch.float32
+    # constant groups (range 0) and tiny ones still get a scale fp16 holds
+    w = torch.cat([torch.zeros(2, 32), torch.full((2, 32), 1e-9)], 1)
+    q, scales, zeros = Q.quantize_int4(w, 32)
+    assert (scales > 0).all() and torch.equal(scales.half().float(), scales)
+    assert (Q.dequantize_int4(q, scales, zeros) - w).abs().max() < 1e-7
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_int4_kernel_and_fallback_agree(layout):
     _, a = int4_layer(256, 64, 32)
