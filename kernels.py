@@ -44,7 +44,7 @@ linear_reference and attention_reference below are what the tests compare the C+
         and AVX-512-BF16 builds and AMX's tall blocks round x to 16 bits a row for these: round_rows16; pack's
         int8 lines for AVX-512-BF16 are uint8 q + 128), or uint8 int4 nibbles (N, K/2)
         with scales and offsets (N, K/G) (w = q * scale + offset; tall blocks (AMX, AVX-512-BF16): x rounded
-        likewise); -> (M, N)
+        likewise, and the scales and offsets may come as tile_groups lays them out, in fp32 or fp16); -> (M, N)
         in x's dtype, plus residual (M, N) in x's dtype if given (the sum rounded again, as eager adds)
     torch.ops.eagle_fast.attention(q, k, v, mask)
         q (B, H, T, D) any strides, k and v (B, n_kv, S, D) in q's dtype, mask (1 or B, T, S) bool -> (B, H, T, D)
@@ -165,8 +165,8 @@ struct Lin {
   const uint16_t* xb;      // (M, K) activations in bf16, for the BF16 dot products (same permutation for int4)
   const char* w;           // packed weights
   int64_t block_bytes;     // bytes of one block row: 32 columns (float, int8) or 64 (int4: 32 bytes)
-  const float* scales;     // int8 (N,), int4 (N, K/G)
-  const float* offsets;    // int4 (N, K/G)
+  const float* scales;     // int8 (N,), int4 (N, K/G), or tall int4 (N / 16, K/G, 16) (fp16 where half_groups)
+  const float* offsets;    // int4, as scales
   const float* bias;       // (N,) or null
   void* out;               // (M, N) fp32 or bf16
   bool out_bf16;
@@ -2271,17 +2271,17 @@ void quantize_groups8_256(const E* x, int64_t M, int64_t K, int32_t* xw, float* 
     }
 }
 
+// group16's 8 values from element i, on AVX2 (F16C)
+__attribute__((always_inline)) inline __m256 group8(const float* p, int64_t i, bool half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))) : _mm256_loadu_ps(p + i);
+}
+
 // int4 groups of 32 (_int4_tiles): a line's low nibbles are group g's 4 columns of 16 weight rows, its high ones
 // group g + 1's. Per row and group, 8 lines of vpmaddubsw (nibble x signed byte: a pair at most 2 x 15 x 127) summed
 // in 16 bits (8 pairs at most 30480: no saturation, exact), then vpmaddwd by ones: S. Up to 2 rows both groups and
 // both halves of a line (weight rows 0-7 and 8-15) in one pass; up to 5 a group at a time (the line read again for
 // the odd group, from L1), both halves with one broadcast of x; more one half at a time (8 rows a pass, one sum a
 // row). Both groups and halves at 5 rows spilled sums (1.86x one row's time there)
-// group16's 8 values from element i, on AVX2 (F16C)
-__attribute__((always_inline)) inline __m256 group8(const float* p, int64_t i, bool half) {
-  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))) : _mm256_loadu_ps(p + i);
-}
-
 struct KernelI4a8x256 {
   static constexpr int MOST = 8;
   template <int MB>
@@ -3771,8 +3771,8 @@ def tile_groups(scales: Tensor, offsets: Tensor, packed: Tensor) -> tuple:
     quantize_int4's): the same values in half the bytes, which a one-row step streams beside the nibbles (with
     groups of 32, 2 bytes a group instead of 4 each: the linears 0.90x the time at 1 and 5 rows on a Zen 4)."""
     if packed.dtype != torch.uint8 or packed.shape[2] != 16:
-        return scales, offsets
-    tiled = [t.float().view(t.shape[0] // 16, 16, t.shape[1]).transpose(1, 2).contiguous() for t in (scales, offsets)]
+        return scales.float().contiguous(), offsets.float().contiguous()
+    tiled = [t.float().reshape(t.shape[0] // 16, 16, -1).transpose(1, 2).contiguous() for t in (scales, offsets)]
     if all(torch.equal(t.half().float(), t) for t in tiled):
         tiled = [t.half() for t in tiled]
     return tuple(tiled)

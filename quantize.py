@@ -71,24 +71,25 @@ def dequantize_int8(q, scales):
 def quantize_int4(w, groupsize: int):
     """Affine per group of `groupsize` input columns: q in 0..15 spans the group's [min, max], so the error per
     weight is at most that group's scale / 2. The zero is stored as min + 8 * scale because torch's int4 kernels
-    compute (q - 8) * scale + zero (checked numerically in tests/test_quantize.py and at every load). The scale and
-    the min are rounded to fp16 first (as Q4_1's d and m are fp16; 2^-11 of a scale): kernels.py's tall blocks then
-    read them in half the bytes."""
+    compute (q - 8) * scale + zero (checked numerically in tests/test_quantize.py and at every load). The min and the
+    scale are fp16 values (as Q4_1's m and d; the min rounded down and the scale up, so the grid still spans the
+    group): kernels.py's tall blocks then read them in half the bytes."""
     N, K = w.shape
     if K % groupsize:
         raise QuantizeError(f"groupsize {groupsize} does not divide the input dim {K}")
     g = w.float().reshape(N, K // groupsize, groupsize)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scales = fp16_grid((hi - lo).clamp(min=15 * 2.0 ** -24) / 15)  # (the smallest scale fp16 holds: 2^-24)
-    lo = fp16_grid(lo)
+    lo, hi = fp16_round(g.amin(-1), up=False), g.amax(-1)
+    scales = fp16_round(((hi - lo) / 15).clamp(min=2.0 ** -24), up=True)  # (fp16's smallest: 2^-24)
     q = (g - lo[..., None]).div_(scales[..., None]).round_().clamp_(0, 15).to(torch.uint8)
     return q.reshape(N, K), scales, lo + 8 * scales
 
 
-def fp16_grid(t):
-    """fp32 t rounded to fp16's values where fp16 holds them (not beyond its range), else as it is."""
-    r = t.half().float()
-    return torch.where(r.isfinite() & ((r != 0) | (t == 0)), r, t)
+def fp16_round(t, up: bool):
+    """fp32 t rounded up (or down) to an fp16 value; where fp16 cannot hold that (NaN, beyond +-65504), t itself."""
+    h = t.half()
+    off = h.float() < t if up else h.float() > t
+    h = torch.where(off, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h)
+    return torch.where(h.isfinite() & t.isfinite(), h.float(), t)
 
 
 def quantize_int4i(w):

@@ -26,8 +26,10 @@ def weight(kind, N, K, act_bits=16):
     """(packed, scales, offsets) of a random N x K weight, packed for act_bits."""
     if kind == "int4":
         packed = kernels.pack(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8), act_bits)
-        # the scales and offsets laid out as quantize.py stores them (as the tiles read them on AMX)
-        return (packed, *kernels.tile_groups(torch.rand(N, K // 32) / 15, -torch.rand(N, K // 32), packed))
+        # the scales and offsets laid out as quantize.py's prepare() lays them out: fp16 values (quantize_int4's),
+        # so tall blocks read them in fp16
+        scales, offsets = (torch.rand(N, K // 32) / 15).half().float(), -torch.rand(N, K // 32).half().float()
+        return (packed, *kernels.tile_groups(scales, offsets, packed))
     if kind == "int8":
         return kernels.pack(torch.randint(-127, 128, (N, K), dtype=torch.int8), act_bits), torch.rand(N) / 127, None
     return kernels.pack(torch.randn(N, K).bfloat16() / K ** 0.5), None, None

@@ -135,11 +135,16 @@ def test_int4_scales_are_fp16_values_and_packed_in_fp16():
     if layer.layout == "packed" and layer.weight.shape[2] == 16:  # tall blocks (AMX, AVX-512-BF16)
         assert layer.scales.dtype == layer.offsets.dtype == torch.float16
         assert old.scales.dtype == old.offsets.dtype == torch.float32
-    # constant groups (range 0) and tiny ones still get a scale fp16 holds
-    w = torch.cat([torch.zeros(2, 32), torch.full((2, 32), 1e-9)], 1)
+    # constant groups (at 0 and away from it), tiny ranges, a min below fp16's smallest, large values: an fp16 min
+    # and scale, and every weight within half a scale
+    w = torch.cat([torch.zeros(32), torch.full((32,), 0.1), 0.1 + 1e-7 * torch.arange(32), torch.full((32,), -1e-9),
+                   torch.linspace(-1e-6, 3e-6, 32), torch.randn(32) * 50])[None]
     q, scales, zeros = Q.quantize_int4(w, 32)
+    offsets = zeros - 8 * scales
     assert (scales > 0).all() and torch.equal(scales.half().float(), scales)
-    assert (Q.dequantize_int4(q, scales, zeros) - w).abs().max() < 1e-7
+    assert torch.equal(offsets.half().float(), offsets)
+    err = (Q.dequantize_int4(q, scales, zeros) - w).abs().view(-1, 32).amax(-1)
+    assert (err <= scales[0] / 2 * (1 + 1e-6)).all(), (err, scales)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
