@@ -305,9 +305,11 @@ def top_k_rows(x: Tensor, k: int):
     """torch.topk(x, k) along the last dim for a small k (the draft's 2-3 children of a node over its vocabulary):
     k passes of a max and the first index that holds it, reductions that Inductor vectorises and fuses, where
     torch.topk leaves the compiled graph for ATen's sort-based kernel (tens of us an 8,192-wide row on the CPU).
-    Values descending, equal values by index; a row needs k values above -inf (a NaN row gives its last index)."""
+    Values descending, equal values by index; a row needs k values above -inf (a NaN row gives its last index).
+    The indices are int32 inside: Inductor's AVX2 code for an int64 min over a row returned V where the row held its
+    max (torch 2.13, CPU capability AVX2: every draft token wrong, EAGLE no faster than plain; AVX-512 unaffected)."""
     V = x.shape[-1]
-    idx = torch.arange(V, device=x.device)
+    idx = torch.arange(V, device=x.device, dtype=torch.int32)
     values, indices = [], []
     for _ in range(k):
         best = x.amax(-1, keepdim=True)
@@ -315,7 +317,7 @@ def top_k_rows(x: Tensor, k: int):
         values.append(best)
         indices.append(i)
         x = x.masked_fill(idx == i, float("-inf"))
-    return torch.cat(values, -1), torch.cat(indices, -1)
+    return torch.cat(values, -1), torch.cat(indices, -1).long()
 
 
 def draft_dynamic(head, h_root, L, depth: int, top_k: int, total_tokens: int):

@@ -1,5 +1,9 @@
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -486,3 +490,18 @@ def test_top_k_rows_is_torch_topk_eager_and_compiled():
             assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
     values, indices = top_k_rows(torch.tensor([1.0, 3.0, 3.0, 2.0]), 3)  # ties by index
     assert values.tolist() == [3.0, 3.0, 2.0] and indices.tolist() == [1, 2, 3]
+
+
+def test_top_k_rows_compiled_for_avx2_is_torch_topk(tmp_path):
+    """The same, compiled as an AVX2-only CPU compiles it (ATEN_CPU_CAPABILITY=avx2 on a CPU with more; its own
+    Inductor cache, which does not tell the two kinds of code apart): Inductor's AVX2 code for an int64 min over a
+    row returned the row's length where it held its max, so every draft token was wrong and EAGLE on AVX2 CPUs no
+    faster than plain decoding (the indices are int32 inside since)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
+        pytest.skip("this CPU compiles AVX2 code (or less) for the test above already")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"{__file__}::test_top_k_rows_is_torch_topk_eager_and_compiled"],
+                       env=env, cwd=Path(__file__).parent.parent,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
