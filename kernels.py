@@ -2463,8 +2463,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   a.int4i = int4i;
   at::Tensor sc, of, bs;
   if (scales) {
-    const bool half_tiled = offsets && scales->dim() == 3 && scales->scalar_type() == at::kHalf;
-    TORCH_CHECK((scales->scalar_type() == at::kFloat || half_tiled) && scales->is_contiguous(),
+    const bool int4_half = offsets && scales->scalar_type() == at::kHalf;  // tiled only: checked with the offsets
+    TORCH_CHECK((scales->scalar_type() == at::kFloat || int4_half) && scales->is_contiguous(),
                 "eagle_fast::linear: scales must be contiguous fp32 (int4's tiled ones fp16 too)");
     sc = *scales;
     a.scales = (const float*)sc.data_ptr();  // fp16 where half_groups
@@ -3821,9 +3821,9 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor = None, scales: Tensor = None
            residual: Tensor = None, act_bits: int = 16) -> Tensor:
     """x (..., K) @ W.T (+ bias) for a packed weight: float in x's dtype, int8 with fp32 scales (N,), or int4 nibbles
     with fp32 scales and offsets (N, K/G; or tile_groups', fp32 or fp16), w = q * scale + offset. Any number of rows;
-    each row is computed the same way whatever the number. residual (..., N): residual + that, as eager rounds it (the output in x's dtype,
-    then the sum), written by the op itself: a block's residual stream then exists once, where a compiled graph had
-    each norm re-add the stream's last 3-4 terms. act_bits 8: int4 groups of 32 in tall blocks with x rounded to 8
+    each row is computed the same way whatever the number. residual (..., N): residual + that, as eager rounds it
+    (the output in x's dtype, then the sum), written by the op itself: a block's residual stream then exists once,
+    where a compiled graph had each norm re-add the stream's last 3-4 terms. act_bits 8: int4 groups of 32 in tall blocks with x rounded to 8
     bits in groups of 32 (round_groups8; a8_takes says where)."""
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, packed, bias, residual)):
